@@ -1,0 +1,45 @@
+/* common.h: internal helpers of the C core: CHECK macros for system, CUDA and NCCL calls.
+ * The failure is described once, where it happens, then passed up by DDPC_CHECK. */
+#ifndef DDPC_COMMON_H
+#define DDPC_COMMON_H
+
+#include <errno.h>
+#include <string.h>
+
+#include "ddpc.h"
+
+/* Propagates a non-OK status (the message is already set). */
+#define DDPC_CHECK(call)                     \
+    do {                                     \
+        ddpc_status st_ = (call);            \
+        if (st_ != DDPC_OK) return st_;      \
+    } while (0)
+
+/* Same, but jumps to a cleanup label with the status stored in `st`. */
+#define DDPC_CHECK_GOTO(call, st, label)     \
+    do {                                     \
+        (st) = (call);                       \
+        if ((st) != DDPC_OK) goto label;     \
+    } while (0)
+
+/* A system call that returns -1 and sets errno. */
+#define DDPC_SYSCHECK(call, what)                                                          \
+    do {                                                                                   \
+        if ((call) == -1)                                                                  \
+            return ddpc_error(DDPC_ERR_SYSTEM, "%s failed: %s (%s:%d)", (what),            \
+                              strerror(errno), __FILE__, __LINE__);                        \
+    } while (0)
+
+/* Like DDPC_SYSCHECK but for calls that return an errno value (pthread_*). */
+#define DDPC_PTHREADCHECK(call, what)                                                      \
+    do {                                                                                   \
+        int rc_ = (call);                                                                  \
+        if (rc_ != 0)                                                                      \
+            return ddpc_error(DDPC_ERR_SYSTEM, "%s failed: %s (%s:%d)", (what),            \
+                              strerror(rc_), __FILE__, __LINE__);                          \
+    } while (0)
+
+#define DDPC_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define DDPC_MAX(a, b) ((a) > (b) ? (a) : (b))
+
+#endif /* DDPC_COMMON_H */

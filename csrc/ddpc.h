@@ -1,0 +1,295 @@
+/* ddpc.h: the C core's own API. Python-free: module.c is its only CPython client, and the
+ * plain-C unit tests in tests/c are the others. Every function returns a ddpc_status; on failure
+ * the thread-local message from ddpc_last_error() says what happened and what to do. */
+#ifndef DDPC_H
+#define DDPC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- status and errors */
+
+typedef enum ddpc_status {
+    DDPC_OK = 0,
+    DDPC_ERR_INVALID = 1,     /* bad argument from the caller */
+    DDPC_ERR_SYSTEM = 2,      /* an OS call failed (errno text in the message) */
+    DDPC_ERR_TIMEOUT = 3,     /* a deadline passed */
+    DDPC_ERR_PEER = 4,        /* a peer died, closed its connection or aborted the group */
+    DDPC_ERR_AUTH = 5,        /* the store refused our token, or we refused a client */
+    DDPC_ERR_MISMATCH = 6,    /* ranks disagree about a collective's arguments or a model */
+    DDPC_ERR_CUDA = 7,
+    DDPC_ERR_NCCL = 8,
+    DDPC_ERR_UNAVAILABLE = 9, /* not built in, or a run-time library is missing */
+    DDPC_ERR_INTERRUPTED = 10,/* the interrupt hook reported a pending signal (Ctrl-C) */
+    DDPC_ERR_NOMEM = 11,
+    DDPC_ERR_NOTFOUND = 12,   /* a store key does not exist (non-blocking lookups) */
+    DDPC_ERR_PROTOCOL = 13,   /* a malformed message on a socket */
+} ddpc_status;
+
+/* The message of the last failure on this thread. Never NULL. */
+const char *ddpc_last_error(void);
+/* Formats the message for status st on this thread and returns st (so: return ddpc_error(...)). */
+ddpc_status ddpc_error(ddpc_status st, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+/* Prepends context to the current message ("all_reduce #7: " + old message); returns st. */
+ddpc_status ddpc_error_prefix(ddpc_status st, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+const char *ddpc_status_name(ddpc_status st);
+
+/* Blocking loops run in slices of at most DDPC_SLICE_MS and call ddpc_check_interrupt() between
+ * slices, so a Python caller that released the GIL still sees Ctrl-C. The hook returns non-zero
+ * when the wait must stop; module.c installs one that runs PyErr_CheckSignals. The hook is only
+ * called on threads flagged with ddpc_thread_set_interruptible(1) (Python caller threads). */
+#define DDPC_SLICE_MS 100
+typedef int (*ddpc_interrupt_hook)(void);
+void ddpc_set_interrupt_hook(ddpc_interrupt_hook hook);
+void ddpc_thread_set_interruptible(int on);
+/* DDPC_OK, or DDPC_ERR_INTERRUPTED with the message set. */
+ddpc_status ddpc_check_interrupt(void);
+
+/* Monotonic clock in nanoseconds / milliseconds. */
+uint64_t ddpc_now_ns(void);
+int64_t ddpc_now_ms(void);
+/* Deadline helpers: timeout_ms < 0 means "no deadline" (INT64_MAX). */
+int64_t ddpc_deadline(int64_t timeout_ms);
+/* Milliseconds until deadline, clamped to [0, slice_ms]. */
+int64_t ddpc_slice(int64_t deadline_ms, int64_t slice_ms);
+
+/* DDPC_DEBUG=INFO|TRACE (off by default) prints "host:pid:tid ddpc SUBSYS msg" to stderr. */
+enum { DDPC_LOG_NONE = 0, DDPC_LOG_INFO = 1, DDPC_LOG_TRACE = 2 };
+int ddpc_log_level(void);
+void ddpc_log(int level, const char *subsys, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+#define DDPC_INFO(subsys, ...) \
+    do { if (ddpc_log_level() >= DDPC_LOG_INFO) ddpc_log(DDPC_LOG_INFO, subsys, __VA_ARGS__); } while (0)
+#define DDPC_TRACE(subsys, ...) \
+    do { if (ddpc_log_level() >= DDPC_LOG_TRACE) ddpc_log(DDPC_LOG_TRACE, subsys, __VA_ARGS__); } while (0)
+
+/* ---------------------------------------------------------------- dtypes and reductions */
+
+typedef enum ddpc_dtype {
+    DDPC_FLOAT32 = 0,
+    DDPC_FLOAT64 = 1,
+    DDPC_FLOAT16 = 2,
+    DDPC_BFLOAT16 = 3,
+    DDPC_INT32 = 4,
+    DDPC_INT64 = 5,
+    DDPC_UINT8 = 6,
+    DDPC_INT8 = 7,
+    DDPC_NUM_DTYPES = 8
+} ddpc_dtype;
+
+typedef enum ddpc_redop {
+    DDPC_SUM = 0,
+    DDPC_AVG = 1,
+    DDPC_MIN = 2,
+    DDPC_MAX = 3,
+    DDPC_PROD = 4,
+    DDPC_NUM_REDOPS = 5
+} ddpc_redop;
+
+size_t ddpc_dtype_size(ddpc_dtype dt);   /* 0 for an unknown dtype */
+const char *ddpc_dtype_name(ddpc_dtype dt);
+const char *ddpc_redop_name(ddpc_redop op);
+
+/* Host reductions (reduce.c): acc[i] = acc[i] (op) in[i] for n elements. AVG accumulates like SUM;
+ * the caller divides once with ddpc_reduce_scale. Half types accumulate through float. */
+ddpc_status ddpc_reduce_host(void *acc, const void *in, size_t n, ddpc_dtype dt, ddpc_redop op);
+/* out[i] = in[i] / divisor, in place allowed (integers: truncating division, like torch). */
+ddpc_status ddpc_reduce_scale(void *buf, size_t n, ddpc_dtype dt, int64_t divisor);
+/* Element conversion between dtypes on the host (float types only, plus identity). */
+ddpc_status ddpc_convert_host(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
+                              size_t n);
+
+/* ---------------------------------------------------------------- rendezvous store */
+
+typedef struct DdpcStoreServer DdpcStoreServer;
+typedef struct DdpcStore DdpcStore;
+
+/* Serves the store on host:port (port 0: the kernel picks one; read it back with
+ * ddpc_store_server_port). host NULL or "" means 127.0.0.1; "0.0.0.0" binds every interface and
+ * must be asked for explicitly. token: the job secret every client must prove it knows. */
+ddpc_status ddpc_store_server_start(const char *host, int port, const char *token,
+                                    DdpcStoreServer **out);
+int ddpc_store_server_port(const DdpcStoreServer *s);
+void ddpc_store_server_stop(DdpcStoreServer *s);
+
+/* Connects (retrying while the server is not up yet, until timeout_ms), then authenticates.
+ * rank >= 0 registers the connection as that rank: when it drops without a clean close, the
+ * server sets the key "ddpc/dead/<rank>" so waiters learn at once that the rank is gone. */
+ddpc_status ddpc_store_connect(const char *host, int port, const char *token, int rank,
+                               int64_t timeout_ms, DdpcStore **out);
+void ddpc_store_close(DdpcStore *c);
+ddpc_status ddpc_store_set(DdpcStore *c, const char *key, const void *val, size_t len);
+/* Waits until the key exists (or timeout_ms passes), then returns a malloc'd copy (free()). */
+ddpc_status ddpc_store_get(DdpcStore *c, const char *key, int64_t timeout_ms, void **val,
+                           size_t *len);
+/* Adds delta to the integer stored at key (missing: 0) and returns the new value. */
+ddpc_status ddpc_store_add(DdpcStore *c, const char *key, int64_t delta, int64_t *out);
+/* If the key's value equals expected (missing key: expected_len == 0 and expected NULL), sets it to
+ * desired. Returns the value now stored (malloc'd) either way. */
+ddpc_status ddpc_store_cas(DdpcStore *c, const char *key, const void *expected, size_t expected_len,
+                           const void *desired, size_t desired_len, void **cur, size_t *cur_len);
+ddpc_status ddpc_store_delete(DdpcStore *c, const char *key, int *deleted);
+/* *present = 1 when every key exists, without waiting. */
+ddpc_status ddpc_store_check(DdpcStore *c, const char *const *keys, int nkeys, int *present);
+/* Waits until every key exists. On timeout the message lists the keys still missing. */
+ddpc_status ddpc_store_wait(DdpcStore *c, const char *const *keys, int nkeys, int64_t timeout_ms);
+/* Number of keys held by the server (diagnostics and tests). */
+ddpc_status ddpc_store_num_keys(DdpcStore *c, int64_t *out);
+
+/* ---------------------------------------------------------------- process groups */
+
+typedef struct DdpcGroup DdpcGroup;
+typedef struct DdpcWork DdpcWork;
+
+typedef enum ddpc_transport {
+    DDPC_TRANSPORT_AUTO = 0, /* shared memory when every rank shares this host, else TCP */
+    DDPC_TRANSPORT_SHM = 1,
+    DDPC_TRANSPORT_TCP = 2,
+} ddpc_transport;
+
+typedef struct DdpcGroupConfig {
+    int rank;
+    int world_size;
+    int local_rank;
+    int local_world_size;
+    const char *backend;     /* "cpu" or "nccl" */
+    int64_t timeout_ms;      /* deadline for every collective and rendezvous step */
+    DdpcStore *store;        /* borrowed: must outlive the group */
+    const char *prefix;      /* store key namespace of this group, e.g. "g0" */
+    ddpc_transport transport;/* cpu backend only */
+    const char *host_id;     /* identifies this host (hostname + boot id); shm needs all equal */
+    const char *bind_addr;   /* address TCP transport listens on (the rank's reachable address) */
+    int cuda_device;         /* nccl backend: the bound device ordinal */
+} DdpcGroupConfig;
+
+typedef enum ddpc_coll {
+    DDPC_COLL_ALLREDUCE = 0,
+    DDPC_COLL_BROADCAST = 1,
+    DDPC_COLL_ALLGATHER = 2,
+    DDPC_COLL_REDUCE_SCATTER = 3,
+    DDPC_COLL_BARRIER = 4,
+    DDPC_NUM_COLLS = 5
+} ddpc_coll;
+
+/* One collective. count is elements per rank: all_reduce and broadcast work in place on recv
+ * (send must be NULL or equal to recv); all_gather reads count elements from send and writes
+ * world_size*count to recv; reduce_scatter reads world_size*count from send and writes count to
+ * recv. device -1 is host memory; >= 0 is a CUDA ordinal (nccl backend), and stream is the
+ * caller's cudaStream_t as an integer: the collective starts after the work already queued on it. */
+typedef struct DdpcCollArgs {
+    ddpc_coll op;
+    const void *send;
+    void *recv;
+    size_t count;
+    ddpc_dtype dtype;
+    ddpc_redop redop;
+    int root;
+    int device;
+    uintptr_t stream;
+} DdpcCollArgs;
+
+const char *ddpc_coll_name(ddpc_coll op);
+
+ddpc_status ddpc_group_create(const DdpcGroupConfig *cfg, DdpcGroup **out);
+/* Aborts outstanding work, tells peers this rank left cleanly, frees everything. */
+void ddpc_group_destroy(DdpcGroup *g);
+int ddpc_group_rank(const DdpcGroup *g);
+int ddpc_group_size(const DdpcGroup *g);
+const char *ddpc_group_backend(const DdpcGroup *g);
+/* Which transport the cpu backend chose ("shm", "tcp"), or "nccl". */
+const char *ddpc_group_transport(const DdpcGroup *g);
+int64_t ddpc_group_timeout_ms(const DdpcGroup *g);
+/* Marks the group failed with a message that every later call on any rank reports (it is
+ * published in the store so peers blocked in a collective raise it too). */
+void ddpc_group_abort(DdpcGroup *g, ddpc_status st, const char *why);
+
+/* Validates args, assigns the next sequence number, and queues the collective. *out is a new
+ * reference; release it with ddpc_work_release. Works complete in posting order. */
+ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **out);
+/* Blocks (interruptibly, in slices) until the work is done or its deadline passes. For device
+ * work this waits for the host side only when host is set; otherwise see ddpc_work_wait_stream. */
+ddpc_status ddpc_work_wait(DdpcWork *w);
+/* Device work: makes `stream` wait for the collective (an event, no host sync). Host work: same
+ * as ddpc_work_wait. */
+ddpc_status ddpc_work_wait_stream(DdpcWork *w, uintptr_t stream);
+/* 1 when finished (successfully or not), 0 while in flight. Never blocks. */
+int ddpc_work_is_completed(DdpcWork *w);
+uint64_t ddpc_work_seq(const DdpcWork *w);
+void ddpc_work_retain(DdpcWork *w);
+void ddpc_work_release(DdpcWork *w);
+
+/* ---------------------------------------------------------------- gradient reducer */
+
+typedef struct DdpcReducer DdpcReducer;
+
+/* Parameters 0..nparams-1 in registration order. Buckets group parameters by (dtype, device) in
+ * `order` (NULL: reverse registration order); the first bucket of each group holds at most
+ * first_bucket_bytes, later ones bucket_cap_bytes (a parameter larger than the cap gets a bucket
+ * of its own). comm_dtype < 0: reduce in each bucket's own dtype; else cast to it (float16 or
+ * bfloat16) for the wire and back. */
+ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
+                                const ddpc_dtype *dtypes, const int *devices, const int *order,
+                                size_t first_bucket_bytes, size_t bucket_cap_bytes, int comm_dtype,
+                                DdpcReducer **out);
+void ddpc_reducer_destroy(DdpcReducer *r);
+int ddpc_reducer_num_buckets(const DdpcReducer *r);
+/* Bucket b: its dtype, device and element count (the caller allocates memory of that size). */
+ddpc_status ddpc_reducer_bucket_info(const DdpcReducer *r, int b, ddpc_dtype *dtype, int *device,
+                                     size_t *count);
+/* Where parameter i's gradient lives: bucket and element offset. */
+ddpc_status ddpc_reducer_param_slot(const DdpcReducer *r, int i, int *bucket, size_t *offset);
+/* Gives bucket b its flat buffer (count elements; owned by the caller). comm_buf: a second buffer
+ * of count elements in comm_dtype when comm_dtype >= 0, else NULL. */
+ddpc_status ddpc_reducer_set_bucket_memory(DdpcReducer *r, int b, void *buf, void *comm_buf);
+/* Starts a step: every parameter not ready, no bucket launched. */
+ddpc_status ddpc_reducer_prepare(DdpcReducer *r);
+/* Parameter i's gradient is complete in its bucket slot. stream: the device stream that wrote it
+ * (0 on host). Launches every bucket that is now complete and whose predecessors are launched. */
+ddpc_status ddpc_reducer_mark_ready(DdpcReducer *r, int i, uintptr_t stream);
+/* End of backward: zeroes the slots of parameters that were never marked ready, launches the
+ * remaining buckets in order, and waits for all (device: makes `stream` wait, no host sync).
+ * *unused receives the number of parameters that were unused this step. */
+ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused);
+/* The order in which parameters became ready in the last finished step (nparams entries; -1 for
+ * those never ready), and how many times each was marked ready. */
+ddpc_status ddpc_reducer_observed_order(const DdpcReducer *r, int *order, int *ready_count);
+
+/* ---------------------------------------------------------------- distributed sampler */
+
+/* Fills out with the indices rank `rank` of `replicas` reads in one epoch, exactly like
+ * torch.utils.data.DistributedSampler (shuffle: one permutation per (seed, epoch), identical on
+ * every rank; padding repeats from the front; drop_last trims). pad=0 gives the exact split with
+ * no duplicated sample (rank lengths may differ by one). *n_out receives the count; out must hold
+ * ddpc_sampler_num_samples(...) entries. */
+int64_t ddpc_sampler_num_samples(int64_t length, int replicas, int rank, int drop_last, int pad);
+ddpc_status ddpc_sampler_indices(int64_t length, int replicas, int rank, int shuffle,
+                                 uint64_t seed, uint64_t epoch, int drop_last, int pad,
+                                 int64_t *out, int64_t *n_out);
+
+/* ---------------------------------------------------------------- CUDA (kernels.cu, comm_nccl.c) */
+
+/* 1 when this build has CUDA support compiled in. */
+int ddpc_cuda_built(void);
+/* Number of visible devices (0 without a driver or GPUs; never fails on a CPU-only machine). */
+int ddpc_cuda_device_count(void);
+/* Binds the calling thread (and the process's primary context) to device `dev`. */
+ddpc_status ddpc_cuda_set_device(int dev);
+/* Loads NCCL (dlopen) if not yet loaded; the message says where it looked when it fails. */
+ddpc_status ddpc_nccl_load(char *version, size_t version_len);
+/* Device helpers for the reducer (kernels.cu; DDPC_ERR_UNAVAILABLE in a CPU-only build). All are
+ * queued on `stream` (a cudaStream_t as an integer) and checked with cudaGetLastError. */
+ddpc_status ddpc_device_zero(void *ptr, size_t bytes, uintptr_t stream);
+/* dst[i] = (dst_dt)(src[i] * scale) for float32/float16/bfloat16/float64 pairs. */
+ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
+                             size_t n, float scale, uintptr_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDPC_H */

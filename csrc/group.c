@@ -1,0 +1,304 @@
+/* group.c: process groups: the backend table, argument checks, sequence numbers, work objects,
+ * deadlines, and the abort/"who never arrived" bookkeeping kept in the store. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "group.h"
+
+static const DdpcBackendOps *find_backend(const char *name) {
+    if (!name || !strcmp(name, "cpu") || !strcmp(name, "gloo")) return &ddpc_backend_cpu;
+    if (!strcmp(name, "nccl")) return &ddpc_backend_nccl;
+    return NULL;
+}
+
+const char *ddpc_coll_name(ddpc_coll op) {
+    switch (op) {
+    case DDPC_COLL_ALLREDUCE: return "all_reduce";
+    case DDPC_COLL_BROADCAST: return "broadcast";
+    case DDPC_COLL_ALLGATHER: return "all_gather";
+    case DDPC_COLL_REDUCE_SCATTER: return "reduce_scatter";
+    case DDPC_COLL_BARRIER: return "barrier";
+    default: return "unknown collective";
+    }
+}
+
+static void copy_str(char *dst, size_t len, const char *src) {
+    snprintf(dst, len, "%s", src ? src : "");
+}
+
+ddpc_status ddpc_group_create(const DdpcGroupConfig *cfg, DdpcGroup **out) {
+    *out = NULL;
+    if (!cfg) return ddpc_error(DDPC_ERR_INVALID, "group config is NULL");
+    if (cfg->world_size < 1)
+        return ddpc_error(DDPC_ERR_INVALID, "world_size must be >= 1, got %d", cfg->world_size);
+    if (cfg->rank < 0 || cfg->rank >= cfg->world_size)
+        return ddpc_error(DDPC_ERR_INVALID, "rank must be in [0, %d), got %d", cfg->world_size,
+                          cfg->rank);
+    if (!cfg->store) return ddpc_error(DDPC_ERR_INVALID, "a process group needs a store");
+    const DdpcBackendOps *ops = find_backend(cfg->backend);
+    if (!ops)
+        return ddpc_error(DDPC_ERR_INVALID, "unknown backend '%s': use 'cpu' or 'nccl'",
+                          cfg->backend);
+    DdpcGroup *g = calloc(1, sizeof *g);
+    if (!g) return ddpc_error(DDPC_ERR_NOMEM, "out of host memory creating a process group");
+    g->rank = cfg->rank;
+    g->world = cfg->world_size;
+    g->local_rank = cfg->local_rank >= 0 ? cfg->local_rank : cfg->rank;
+    g->local_world = cfg->local_world_size > 0 ? cfg->local_world_size : cfg->world_size;
+    g->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 600000;
+    g->store = cfg->store;
+    copy_str(g->prefix, sizeof g->prefix, cfg->prefix && cfg->prefix[0] ? cfg->prefix : "g0");
+    copy_str(g->host_id, sizeof g->host_id, cfg->host_id);
+    copy_str(g->bind_addr, sizeof g->bind_addr,
+             cfg->bind_addr && cfg->bind_addr[0] ? cfg->bind_addr : "127.0.0.1");
+    g->want_transport = cfg->transport;
+    g->cuda_device = cfg->cuda_device;
+    g->ops = ops;
+    g->next_seq = 1;
+    atomic_init(&g->aborted, 0);
+    pthread_mutex_init(&g->mu, NULL);
+    ddpc_status st = ops->init(g);
+    if (st != DDPC_OK) {
+        ddpc_error_prefix(st, "creating the %s process group (rank %d of %d): ", ops->name,
+                          g->rank, g->world);
+        pthread_mutex_destroy(&g->mu);
+        free(g);
+        return st;
+    }
+    DDPC_INFO("GROUP", "rank %d/%d backend %s transport %s prefix %s", g->rank, g->world,
+              ops->name, g->transport, g->prefix);
+    *out = g;
+    return DDPC_OK;
+}
+
+void ddpc_group_destroy(DdpcGroup *g) {
+    if (!g) return;
+    g->ops->destroy(g);
+    pthread_mutex_destroy(&g->mu);
+    free(g);
+}
+
+int ddpc_group_rank(const DdpcGroup *g) { return g->rank; }
+int ddpc_group_size(const DdpcGroup *g) { return g->world; }
+const char *ddpc_group_backend(const DdpcGroup *g) { return g->ops->name; }
+const char *ddpc_group_transport(const DdpcGroup *g) { return g->transport; }
+int64_t ddpc_group_timeout_ms(const DdpcGroup *g) { return g->timeout_ms; }
+
+void ddpc_group_key(const DdpcGroup *g, char *buf, size_t len, const char *fmt, ...) {
+    int n = snprintf(buf, len, "%s/", g->prefix);
+    if (n < 0 || (size_t)n >= len) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf + n, len - (size_t)n, fmt, ap);
+    va_end(ap);
+}
+
+void ddpc_group_abort(DdpcGroup *g, ddpc_status st, const char *why) {
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&g->aborted, &expected, 2)) return;
+    g->abort_status = st;
+    snprintf(g->abort_msg, sizeof g->abort_msg, "%s", why);
+    atomic_store(&g->aborted, 1);
+    char key[256];
+    char val[2200];
+    ddpc_group_key(g, key, sizeof key, "abort");
+    int n = snprintf(val, sizeof val, "%d:rank %d aborted the group: %s", (int)st, g->rank, why);
+    /* Best effort: the store may be the thing that failed. */
+    ddpc_store_set(g->store, key, val, (size_t)DDPC_MIN(n, (int)sizeof val - 1));
+    if (g->ops->abort) g->ops->abort(g);
+}
+
+ddpc_status ddpc_group_check_abort(DdpcGroup *g) {
+    if (atomic_load(&g->aborted) == 1) return ddpc_error(g->abort_status, "%s", g->abort_msg);
+    char key[256];
+    const char *keys[1] = {key};
+    int present = 0;
+    ddpc_group_key(g, key, sizeof key, "abort");
+    if (ddpc_store_check(g->store, keys, 1, &present) != DDPC_OK || !present) return DDPC_OK;
+    void *val = NULL;
+    size_t len = 0;
+    if (ddpc_store_get(g->store, key, 1000, &val, &len) != DDPC_OK) return DDPC_OK;
+    char *s = val;
+    int code = atoi(s);
+    char *colon = memchr(s, ':', len);
+    int expected = 0;
+    if (atomic_compare_exchange_strong(&g->aborted, &expected, 2)) {
+        g->abort_status = code > 0 ? (ddpc_status)code : DDPC_ERR_PEER;
+        snprintf(g->abort_msg, sizeof g->abort_msg, "%.*s", (int)(colon ? len - (size_t)(colon + 1 - s) : len),
+                 colon ? colon + 1 : s);
+        atomic_store(&g->aborted, 1);
+        if (g->ops->abort) g->ops->abort(g);
+    }
+    free(val);
+    while (atomic_load(&g->aborted) != 1) { /* another thread is filling abort_msg */ }
+    return ddpc_error(g->abort_status, "%s", g->abort_msg);
+}
+
+int ddpc_group_rank_dead(DdpcGroup *g, int r) {
+    char key[64];
+    const char *keys[1] = {key};
+    int present = 0;
+    snprintf(key, sizeof key, "ddpc/dead/%d", r);
+    if (ddpc_store_check(g->store, keys, 1, &present) != DDPC_OK) return 0;
+    return present;
+}
+
+void ddpc_group_describe_missing(DdpcGroup *g, uint64_t seq, char *buf, size_t len) {
+    char key[256];
+    char val[32];
+    size_t used = 0;
+    buf[0] = '\0';
+    ddpc_group_key(g, key, sizeof key, "progress/%d", g->rank);
+    int n = snprintf(val, sizeof val, "%llu", (unsigned long long)seq);
+    ddpc_store_set(g->store, key, val, (size_t)n);
+    /* Peers that timed out on the same collective publish within a moment of us. */
+    int64_t deadline = ddpc_deadline(2000);
+    for (int r = 0; r < g->world; r++) {
+        if (r == g->rank) continue;
+        const char *what = NULL;
+        char tmp[128];
+        if (ddpc_group_rank_dead(g, r)) {
+            what = "exited (its store connection dropped)";
+        } else {
+            void *pv = NULL;
+            size_t pl = 0;
+            ddpc_group_key(g, key, sizeof key, "progress/%d", r);
+            int64_t left = deadline - ddpc_now_ms();
+            if (ddpc_store_get(g->store, key, left > 0 ? left : 1, &pv, &pl) == DDPC_OK) {
+                char num[32];
+                snprintf(num, sizeof num, "%.*s", (int)DDPC_MIN(pl, sizeof num - 1), (char *)pv);
+                unsigned long long theirs = strtoull(num, NULL, 10);
+                free(pv);
+                if (theirs < seq) {
+                    snprintf(tmp, sizeof tmp, "never arrived (it is waiting in collective #%llu)",
+                             theirs);
+                    what = tmp;
+                } else if (theirs > seq) {
+                    snprintf(tmp, sizeof tmp, "is already past it (waiting in collective #%llu)",
+                             theirs);
+                    what = tmp;
+                }
+            } else {
+                what = "never arrived (it is not in any collective: busy, hung or stopped)";
+            }
+        }
+        if (what) {
+            int m = snprintf(buf + used, len - used, "%srank %d %s", used ? "; " : "", r, what);
+            if (m < 0 || (size_t)m >= len - used) break;
+            used += (size_t)m;
+        }
+    }
+    if (!used) snprintf(buf, len, "every rank reached it; the transfer itself stalled");
+}
+
+/* ---------------------------------------------------------------- work objects */
+
+static ddpc_status check_args(const DdpcGroup *g, const DdpcCollArgs *a) {
+    const char *name = ddpc_coll_name(a->op);
+    if ((unsigned)a->op >= DDPC_NUM_COLLS)
+        return ddpc_error(DDPC_ERR_INVALID, "unknown collective %d", (int)a->op);
+    if (a->op == DDPC_COLL_BARRIER) return DDPC_OK;
+    if (!ddpc_dtype_size(a->dtype))
+        return ddpc_error(DDPC_ERR_INVALID, "%s: unsupported dtype code %d", name, (int)a->dtype);
+    if ((unsigned)a->redop >= DDPC_NUM_REDOPS)
+        return ddpc_error(DDPC_ERR_INVALID, "%s: unknown reduce op %d", name, (int)a->redop);
+    if (a->count && !a->recv)
+        return ddpc_error(DDPC_ERR_INVALID, "%s: the output buffer is NULL", name);
+    if ((a->op == DDPC_COLL_ALLGATHER || a->op == DDPC_COLL_REDUCE_SCATTER) && a->count && !a->send)
+        return ddpc_error(DDPC_ERR_INVALID, "%s: the input buffer is NULL", name);
+    if (a->op == DDPC_COLL_BROADCAST && (a->root < 0 || a->root >= g->world))
+        return ddpc_error(DDPC_ERR_INVALID, "broadcast: src must be in [0, %d), got %d", g->world,
+                          a->root);
+    if ((a->op == DDPC_COLL_ALLREDUCE || a->op == DDPC_COLL_BROADCAST) && a->send &&
+        a->send != a->recv)
+        return ddpc_error(DDPC_ERR_INVALID, "%s works in place: send must equal recv", name);
+    return DDPC_OK;
+}
+
+ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **out) {
+    *out = NULL;
+    DDPC_CHECK(check_args(g, args));
+    if (atomic_load(&g->aborted) == 1)
+        return ddpc_error(g->abort_status, "the process group was aborted earlier: %s",
+                          g->abort_msg);
+    DdpcWork *w = calloc(1, sizeof *w);
+    if (!w) return ddpc_error(DDPC_ERR_NOMEM, "out of host memory posting %s",
+                              ddpc_coll_name(args->op));
+    atomic_init(&w->refs, 1);
+    atomic_init(&w->done, 0);
+    w->g = g;
+    w->args = *args;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    pthread_mutex_lock(&g->mu);
+    w->seq = g->next_seq++;
+    w->deadline_ms = ddpc_deadline(g->timeout_ms);
+    ddpc_status st = g->ops->post(g, w);
+    pthread_mutex_unlock(&g->mu);
+    if (st != DDPC_OK) {
+        ddpc_work_release(w);
+        return st;
+    }
+    *out = w;
+    return DDPC_OK;
+}
+
+void ddpc_work_complete(DdpcWork *w, ddpc_status st) {
+    pthread_mutex_lock(&w->mu);
+    w->status = st;
+    if (st != DDPC_OK) w->msg = strdup(ddpc_last_error());
+    atomic_store(&w->done, 1);
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+int ddpc_work_is_completed(DdpcWork *w) { return atomic_load(&w->done); }
+uint64_t ddpc_work_seq(const DdpcWork *w) { return w->seq; }
+void ddpc_work_retain(DdpcWork *w) { atomic_fetch_add(&w->refs, 1); }
+
+void ddpc_work_release(DdpcWork *w) {
+    if (!w || atomic_fetch_sub(&w->refs, 1) != 1) return;
+    if (w->g && w->g->ops->work_free) w->g->ops->work_free(w);
+    pthread_cond_destroy(&w->cv);
+    pthread_mutex_destroy(&w->mu);
+    free(w->msg);
+    free(w);
+}
+
+ddpc_status ddpc_work_wait(DdpcWork *w) {
+    /* The backend enforces the deadline and completes the work with a timeout that names the
+     * missing ranks; this grace period only guards against a backend that stopped answering. */
+    int64_t hard = w->deadline_ms == INT64_MAX ? INT64_MAX : w->deadline_ms + 30000;
+    pthread_mutex_lock(&w->mu);
+    while (!atomic_load(&w->done)) {
+        int64_t slice = ddpc_slice(hard, DDPC_SLICE_MS);
+        if (slice <= 0 && ddpc_now_ms() >= hard) {
+            pthread_mutex_unlock(&w->mu);
+            return ddpc_error(DDPC_ERR_TIMEOUT,
+                              "%s #%llu did not finish within the timeout on rank %d and its "
+                              "backend stopped answering",
+                              ddpc_coll_name(w->args.op), (unsigned long long)w->seq, w->g->rank);
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        int64_t ns = (int64_t)ts.tv_nsec + slice * 1000000;
+        ts.tv_sec += ns / 1000000000;
+        ts.tv_nsec = ns % 1000000000;
+        pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+        if (!atomic_load(&w->done)) {
+            pthread_mutex_unlock(&w->mu);
+            DDPC_CHECK(ddpc_check_interrupt());
+            pthread_mutex_lock(&w->mu);
+        }
+    }
+    pthread_mutex_unlock(&w->mu);
+    if (w->status != DDPC_OK) return ddpc_error(w->status, "%s", w->msg ? w->msg : "failed");
+    return DDPC_OK;
+}
+
+ddpc_status ddpc_work_wait_stream(DdpcWork *w, uintptr_t stream) {
+    if (w->args.device >= 0 && w->g->ops->wait_stream) return w->g->ops->wait_stream(w, stream);
+    return ddpc_work_wait(w);
+}

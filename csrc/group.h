@@ -1,0 +1,85 @@
+/* group.h: what group.c shares with the backends (comm_cpu.c, comm_nccl.c): the group and work
+ * structs and the backend table. Not part of the public C API (ddpc.h). */
+#ifndef DDPC_GROUP_H
+#define DDPC_GROUP_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "common.h"
+
+struct DdpcWork {
+    atomic_int refs;
+    DdpcGroup *g;
+    DdpcCollArgs args;
+    uint64_t seq;           /* 1-based, identical on every rank for the same collective */
+    int64_t deadline_ms;    /* absolute, ddpc_now_ms() clock */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    atomic_int done;        /* 1 once status/msg are final */
+    ddpc_status status;
+    char *msg;              /* malloc'd copy of the failure message (set before done) */
+    void *backend_data;     /* backend's per-work state (e.g. CUDA events); freed by backend */
+    struct DdpcWork *next;  /* backend queue link */
+};
+
+typedef struct DdpcBackendOps {
+    const char *name;
+    /* Sets g->impl and g->transport; may use the store for rendezvous. */
+    ddpc_status (*init)(DdpcGroup *g);
+    /* Takes a reference to w (ddpc_work_retain) and queues it; the backend calls
+     * ddpc_work_complete exactly once when it finishes (or fails). */
+    ddpc_status (*post)(DdpcGroup *g, DdpcWork *w);
+    /* Optional: device-side ordering of `stream` after w (nccl). NULL: host wait. */
+    ddpc_status (*wait_stream)(DdpcWork *w, uintptr_t stream);
+    /* Optional: called from ddpc_group_abort, e.g. to wake waiters or abort a communicator. */
+    void (*abort)(DdpcGroup *g);
+    /* Stops threads, frees g->impl. Outstanding works are completed with an error first. */
+    void (*destroy)(DdpcGroup *g);
+    /* Optional: frees w->backend_data when the last reference goes. */
+    void (*work_free)(DdpcWork *w);
+} DdpcBackendOps;
+
+struct DdpcGroup {
+    int rank, world, local_rank, local_world;
+    int64_t timeout_ms;
+    DdpcStore *store;
+    char prefix[128];
+    char host_id[256];
+    char bind_addr[256];
+    ddpc_transport want_transport;
+    int cuda_device;
+    char transport[16];     /* set by the backend's init: "shm", "tcp", "nccl" */
+    const DdpcBackendOps *ops;
+    void *impl;
+    pthread_mutex_t mu;     /* guards next_seq */
+    uint64_t next_seq;
+    atomic_int aborted;
+    ddpc_status abort_status;
+    char abort_msg[2048];
+};
+
+extern const DdpcBackendOps ddpc_backend_cpu;
+extern const DdpcBackendOps ddpc_backend_nccl;
+
+/* Records the outcome of w and wakes its waiters. st != DDPC_OK: the message is taken from
+ * ddpc_last_error() of the calling thread. */
+void ddpc_work_complete(DdpcWork *w, ddpc_status st);
+
+/* Store key of this group: "<prefix>/<name>". */
+void ddpc_group_key(const DdpcGroup *g, char *buf, size_t len, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* For a collective that timed out: publishes how far this rank got, gives the other ranks a
+ * moment to do the same, and writes into buf the ranks that never arrived at collective `seq`
+ * (or died: the store's "ddpc/dead/<r>" keys), e.g. "rank 1 never arrived (it is at #6)". */
+void ddpc_group_describe_missing(DdpcGroup *g, uint64_t seq, char *buf, size_t len);
+
+/* DDPC_OK, or the abort status with the abort message (ours or published by a peer; the store is
+ * polled at most every DDPC_SLICE_MS, so call this between wait slices). */
+ddpc_status ddpc_group_check_abort(DdpcGroup *g);
+
+/* Same as ddpc_group_check_abort, plus: is rank r known dead (its store connection dropped)? */
+int ddpc_group_rank_dead(DdpcGroup *g, int r);
+
+#endif /* DDPC_GROUP_H */

@@ -1,0 +1,796 @@
+/* module.c: the CPython extension ddpc._C, the only file of the core that includes Python.h.
+ * Multi-phase init with per-module state (exception types); one function maps a ddpc_status to a
+ * Python exception; every blocking core call runs with the GIL released, in slices that check for
+ * signals, so Ctrl-C works. Pointers and streams cross this boundary as integers. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include "ddpc.h"
+
+/* ---------------------------------------------------------------- module state and errors */
+
+typedef struct {
+    PyObject *DistributedError;   /* base: RuntimeError */
+    PyObject *TimeoutError;       /* DistributedError + builtin TimeoutError */
+    PyObject *PeerError;          /* a rank died or aborted */
+    PyObject *MismatchError;      /* ranks disagree */
+    PyObject *AuthError;          /* store token refused */
+    PyTypeObject *StoreType;
+    PyTypeObject *StoreServerType;
+    PyTypeObject *GroupType;
+    PyTypeObject *WorkType;
+    PyTypeObject *ReducerType;
+    PyTypeObject *SamplerType;
+} ModState;
+
+static PyModuleDef ddpc_module;
+
+static ModState *state_of_module(PyObject *m) { return (ModState *)PyModule_GetState(m); }
+
+static ModState *state_of_type(PyTypeObject *tp) {
+    PyObject *m = PyType_GetModuleByDef(tp, &ddpc_module);
+    return m ? state_of_module(m) : NULL;
+}
+
+/* Raises the exception for st with the core's thread-local message. An interrupt whose Python
+ * exception (KeyboardInterrupt) is already set is passed through unchanged. */
+static PyObject *raise_status(ModState *s, ddpc_status st) {
+    if (st == DDPC_ERR_INTERRUPTED && PyErr_Occurred()) return NULL;
+    const char *msg = ddpc_last_error();
+    PyObject *exc;
+    switch (st) {
+    case DDPC_ERR_INVALID: exc = PyExc_ValueError; break;
+    case DDPC_ERR_NOMEM: exc = PyExc_MemoryError; break;
+    case DDPC_ERR_TIMEOUT: exc = s->TimeoutError; break;
+    case DDPC_ERR_PEER: exc = s->PeerError; break;
+    case DDPC_ERR_MISMATCH: exc = s->MismatchError; break;
+    case DDPC_ERR_AUTH: exc = s->AuthError; break;
+    case DDPC_ERR_NOTFOUND: exc = PyExc_KeyError; break;
+    case DDPC_ERR_INTERRUPTED: exc = PyExc_KeyboardInterrupt; break;
+    default: exc = s->DistributedError; break;
+    }
+    PyErr_SetString(exc, msg);
+    return NULL;
+}
+
+/* Runs PyErr_CheckSignals from a core wait loop. The caller released the GIL with
+ * Py_BEGIN_ALLOW_THREADS, so we take it back for the check only. */
+static int interrupt_hook(void) {
+    PyGILState_STATE gs = PyGILState_Ensure();
+    int r = PyErr_CheckSignals();
+    PyGILState_Release(gs);
+    return r != 0;
+}
+
+/* Wraps a blocking core call: GIL released, interrupt checks enabled on this thread. */
+#define DDPC_NOGIL(st, call)                 \
+    do {                                     \
+        Py_BEGIN_ALLOW_THREADS               \
+        ddpc_thread_set_interruptible(1);    \
+        (st) = (call);                       \
+        ddpc_thread_set_interruptible(0);    \
+        Py_END_ALLOW_THREADS                 \
+    } while (0)
+
+static int64_t timeout_arg_ms(double seconds) {
+    if (seconds < 0) return -1;
+    double ms = seconds * 1000.0;
+    return ms > 9.0e15 ? -1 : (int64_t)ms;
+}
+
+/* ---------------------------------------------------------------- Store / StoreServer */
+
+typedef struct {
+    PyObject_HEAD
+    DdpcStoreServer *srv;
+} StoreServerObject;
+
+static PyObject *StoreServer_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"host", "port", "token", NULL};
+    const char *host = "127.0.0.1";
+    int port = 0;
+    const char *token = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "zis", kwlist, &host, &port, &token)) return NULL;
+    ModState *s = state_of_type(tp);
+    if (!s) return NULL;
+    StoreServerObject *self = (StoreServerObject *)tp->tp_alloc(tp, 0);
+    if (!self) return NULL;
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_store_server_start(host, port, token, &self->srv));
+    if (st != DDPC_OK) {
+        Py_DECREF(self);
+        return raise_status(s, st);
+    }
+    return (PyObject *)self;
+}
+
+static void StoreServer_dealloc(StoreServerObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    if (self->srv) {
+        Py_BEGIN_ALLOW_THREADS
+        ddpc_store_server_stop(self->srv);
+        Py_END_ALLOW_THREADS
+    }
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *StoreServer_port(StoreServerObject *self, void *closure) {
+    (void)closure;
+    if (!self->srv) return PyLong_FromLong(-1);
+    return PyLong_FromLong(ddpc_store_server_port(self->srv));
+}
+
+static PyObject *StoreServer_stop(StoreServerObject *self, PyObject *unused) {
+    (void)unused;
+    if (self->srv) {
+        DdpcStoreServer *srv = self->srv;
+        self->srv = NULL;
+        Py_BEGIN_ALLOW_THREADS
+        ddpc_store_server_stop(srv);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+static PyGetSetDef StoreServer_getset[] = {
+    {"port", (getter)StoreServer_port, NULL, "the TCP port the server listens on", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef StoreServer_methods[] = {
+    {"stop", (PyCFunction)StoreServer_stop, METH_NOARGS, "stop serving and close all clients"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot StoreServer_slots[] = {
+    {Py_tp_new, StoreServer_new},
+    {Py_tp_dealloc, StoreServer_dealloc},
+    {Py_tp_getset, StoreServer_getset},
+    {Py_tp_methods, StoreServer_methods},
+    {Py_tp_doc, "StoreServer(host, port, token): the rendezvous store served by this process"},
+    {0, NULL},
+};
+
+static PyType_Spec StoreServer_spec = {
+    "ddpc._C.StoreServer", sizeof(StoreServerObject), 0, Py_TPFLAGS_DEFAULT, StoreServer_slots,
+};
+
+typedef struct {
+    PyObject_HEAD
+    DdpcStore *c;
+} StoreObject;
+
+static PyObject *Store_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"host", "port", "token", "rank", "timeout", NULL};
+    const char *host = NULL;
+    int port = 0;
+    const char *token = NULL;
+    int rank = -1;
+    double timeout = 60.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "zis|id", kwlist, &host, &port, &token, &rank,
+                                     &timeout))
+        return NULL;
+    ModState *s = state_of_type(tp);
+    if (!s) return NULL;
+    StoreObject *self = (StoreObject *)tp->tp_alloc(tp, 0);
+    if (!self) return NULL;
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_store_connect(host, port, token, rank, timeout_arg_ms(timeout), &self->c));
+    if (st != DDPC_OK) {
+        Py_DECREF(self);
+        return raise_status(s, st);
+    }
+    return (PyObject *)self;
+}
+
+static void Store_dealloc(StoreObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    if (self->c) ddpc_store_close(self->c);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static int store_ready(StoreObject *self) {
+    if (self->c) return 1;
+    PyErr_SetString(PyExc_ValueError, "the store connection is closed");
+    return 0;
+}
+
+static PyObject *Store_close(StoreObject *self, PyObject *unused) {
+    (void)unused;
+    if (self->c) {
+        ddpc_store_close(self->c);
+        self->c = NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Store_set(StoreObject *self, PyObject *args) {
+    const char *key;
+    Py_buffer val;
+    if (!PyArg_ParseTuple(args, "sy*", &key, &val)) return NULL;
+    if (!store_ready(self)) { PyBuffer_Release(&val); return NULL; }
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_store_set(self->c, key, val.buf, (size_t)val.len));
+    PyBuffer_Release(&val);
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Store_get(StoreObject *self, PyObject *args) {
+    const char *key;
+    double timeout = 600.0;
+    if (!PyArg_ParseTuple(args, "s|d", &key, &timeout)) return NULL;
+    if (!store_ready(self)) return NULL;
+    void *val = NULL;
+    size_t len = 0;
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_store_get(self->c, key, timeout_arg_ms(timeout), &val, &len));
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    PyObject *r = PyBytes_FromStringAndSize(val, (Py_ssize_t)len);
+    free(val);
+    return r;
+}
+
+static PyObject *Store_add(StoreObject *self, PyObject *args) {
+    const char *key;
+    long long delta;
+    if (!PyArg_ParseTuple(args, "sL", &key, &delta)) return NULL;
+    if (!store_ready(self)) return NULL;
+    int64_t out = 0;
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_store_add(self->c, key, (int64_t)delta, &out));
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    return PyLong_FromLongLong(out);
+}
+
+static PyObject *Store_compare_set(StoreObject *self, PyObject *args) {
+    const char *key;
+    Py_buffer exp, des;
+    if (!PyArg_ParseTuple(args, "sy*y*", &key, &exp, &des)) return NULL;
+    void *cur = NULL;
+    size_t cur_len = 0;
+    ddpc_status st = DDPC_OK;
+    if (store_ready(self)) {
+        DDPC_NOGIL(st, ddpc_store_cas(self->c, key, exp.len ? exp.buf : NULL, (size_t)exp.len,
+                                      des.buf, (size_t)des.len, &cur, &cur_len));
+    }
+    PyBuffer_Release(&exp);
+    PyBuffer_Release(&des);
+    if (!self->c) return NULL;
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    PyObject *r = PyBytes_FromStringAndSize(cur, (Py_ssize_t)cur_len);
+    free(cur);
+    return r;
+}
+
+static PyObject *Store_delete_key(StoreObject *self, PyObject *args) {
+    const char *key;
+    if (!PyArg_ParseTuple(args, "s", &key)) return NULL;
+    if (!store_ready(self)) return NULL;
+    int deleted = 0;
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_store_delete(self->c, key, &deleted));
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    return PyBool_FromLong(deleted);
+}
+
+/* keys: a sequence of str. Fills a NULL-terminated array of borrowed UTF-8 pointers. */
+static const char **keys_from_seq(PyObject *seq, Py_ssize_t *n, PyObject **fast) {
+    *fast = PySequence_Fast(seq, "keys must be a list of str");
+    if (!*fast) return NULL;
+    *n = PySequence_Fast_GET_SIZE(*fast);
+    const char **keys = PyMem_Calloc((size_t)*n + 1, sizeof(char *));
+    if (!keys) { Py_CLEAR(*fast); PyErr_NoMemory(); return NULL; }
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        PyObject *k = PySequence_Fast_GET_ITEM(*fast, i);
+        if (!PyUnicode_Check(k)) {
+            PyErr_Format(PyExc_TypeError, "keys must be str, got %.100s at index %zd",
+                         Py_TYPE(k)->tp_name, i);
+            PyMem_Free(keys);
+            Py_CLEAR(*fast);
+            return NULL;
+        }
+        keys[i] = PyUnicode_AsUTF8(k);
+        if (!keys[i]) { PyMem_Free(keys); Py_CLEAR(*fast); return NULL; }
+    }
+    return keys;
+}
+
+static PyObject *Store_check(StoreObject *self, PyObject *args) {
+    PyObject *seq, *fast;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "O", &seq)) return NULL;
+    if (!store_ready(self)) return NULL;
+    const char **keys = keys_from_seq(seq, &n, &fast);
+    if (!keys) return NULL;
+    int present = 0;
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_store_check(self->c, keys, (int)n, &present));
+    PyMem_Free(keys);
+    Py_DECREF(fast);
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    return PyBool_FromLong(present);
+}
+
+static PyObject *Store_wait(StoreObject *self, PyObject *args) {
+    PyObject *seq, *fast;
+    Py_ssize_t n;
+    double timeout = 600.0;
+    if (!PyArg_ParseTuple(args, "O|d", &seq, &timeout)) return NULL;
+    if (!store_ready(self)) return NULL;
+    const char **keys = keys_from_seq(seq, &n, &fast);
+    if (!keys) return NULL;
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_store_wait(self->c, keys, (int)n, timeout_arg_ms(timeout)));
+    PyMem_Free(keys);
+    Py_DECREF(fast);
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Store_num_keys(StoreObject *self, PyObject *unused) {
+    (void)unused;
+    if (!store_ready(self)) return NULL;
+    int64_t n = 0;
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_store_num_keys(self->c, &n));
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    return PyLong_FromLongLong(n);
+}
+
+static PyMethodDef Store_methods[] = {
+    {"set", (PyCFunction)Store_set, METH_VARARGS, "set(key, value: bytes)"},
+    {"get", (PyCFunction)Store_get, METH_VARARGS,
+     "get(key, timeout=600.0) -> bytes: waits until the key exists"},
+    {"add", (PyCFunction)Store_add, METH_VARARGS, "add(key, delta) -> int: the new value"},
+    {"compare_set", (PyCFunction)Store_compare_set, METH_VARARGS,
+     "compare_set(key, expected: bytes, desired: bytes) -> bytes: the value now stored"},
+    {"delete_key", (PyCFunction)Store_delete_key, METH_VARARGS, "delete_key(key) -> bool"},
+    {"check", (PyCFunction)Store_check, METH_VARARGS, "check(keys) -> bool: all exist now"},
+    {"wait", (PyCFunction)Store_wait, METH_VARARGS, "wait(keys, timeout=600.0)"},
+    {"num_keys", (PyCFunction)Store_num_keys, METH_NOARGS, "num_keys() -> int"},
+    {"close", (PyCFunction)Store_close, METH_NOARGS, "close the connection (a clean leave)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot Store_slots[] = {
+    {Py_tp_new, Store_new},
+    {Py_tp_dealloc, Store_dealloc},
+    {Py_tp_methods, Store_methods},
+    {Py_tp_doc, "Store(host, port, token, rank=-1, timeout=60.0): a client of the rendezvous store"},
+    {0, NULL},
+};
+
+static PyType_Spec Store_spec = {
+    "ddpc._C.Store", sizeof(StoreObject), 0, Py_TPFLAGS_DEFAULT, Store_slots,
+};
+
+/* ---------------------------------------------------------------- Group / Work */
+
+typedef struct {
+    PyObject_HEAD
+    DdpcGroup *g;
+    PyObject *store;   /* keeps the Store alive as long as the group */
+} GroupObject;
+
+typedef struct {
+    PyObject_HEAD
+    DdpcWork *w;
+    PyObject *keep;    /* the arrays the collective reads and writes, alive until it is done */
+    PyObject *group;
+} WorkObject;
+
+static PyObject *Group_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"store", "rank", "world_size", "local_rank", "local_world_size",
+                             "backend", "timeout", "prefix", "transport", "host_id",
+                             "bind_addr", "device", NULL};
+    PyObject *store;
+    int rank, world, local_rank = -1, local_world = -1, transport = 0, device = -1;
+    const char *backend = "cpu", *prefix = "g0", *host_id = "", *bind_addr = "127.0.0.1";
+    double timeout = 600.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Oii|iisdsissi", kwlist, &store, &rank, &world,
+                                     &local_rank, &local_world, &backend, &timeout, &prefix,
+                                     &transport, &host_id, &bind_addr, &device))
+        return NULL;
+    ModState *s = state_of_type(tp);
+    if (!s) return NULL;
+    if (!PyObject_TypeCheck(store, s->StoreType) || !((StoreObject *)store)->c) {
+        PyErr_SetString(PyExc_TypeError, "store must be an open ddpc._C.Store");
+        return NULL;
+    }
+    GroupObject *self = (GroupObject *)tp->tp_alloc(tp, 0);
+    if (!self) return NULL;
+    DdpcGroupConfig cfg = {
+        .rank = rank, .world_size = world, .local_rank = local_rank,
+        .local_world_size = local_world, .backend = backend, .timeout_ms = timeout_arg_ms(timeout),
+        .store = ((StoreObject *)store)->c, .prefix = prefix, .transport = (ddpc_transport)transport,
+        .host_id = host_id, .bind_addr = bind_addr, .cuda_device = device,
+    };
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_group_create(&cfg, &self->g));
+    if (st != DDPC_OK) {
+        Py_DECREF(self);
+        return raise_status(s, st);
+    }
+    Py_INCREF(store);
+    self->store = store;
+    return (PyObject *)self;
+}
+
+static void group_destroy(GroupObject *self) {
+    if (self->g) {
+        DdpcGroup *g = self->g;
+        self->g = NULL;
+        Py_BEGIN_ALLOW_THREADS
+        ddpc_group_destroy(g);
+        Py_END_ALLOW_THREADS
+    }
+}
+
+static void Group_dealloc(GroupObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    group_destroy(self);
+    Py_CLEAR(self->store);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static int Group_traverse(GroupObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->store);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int group_ready(GroupObject *self) {
+    if (self->g) return 1;
+    PyErr_SetString(PyExc_ValueError, "the process group was destroyed");
+    return 0;
+}
+
+static PyObject *Group_destroy(GroupObject *self, PyObject *unused) {
+    (void)unused;
+    group_destroy(self);
+    Py_RETURN_NONE;
+}
+
+/* post(op, send_ptr, recv_ptr, count, dtype, redop, root, device, stream, keep) -> Work */
+static PyObject *Group_post(GroupObject *self, PyObject *args) {
+    int op, dtype, redop, root, device;
+    unsigned long long send, recv, stream;
+    unsigned long long count;
+    PyObject *keep;
+    if (!PyArg_ParseTuple(args, "iKKKiiiiKO", &op, &send, &recv, &count, &dtype, &redop, &root,
+                          &device, &stream, &keep))
+        return NULL;
+    if (!group_ready(self)) return NULL;
+    ModState *s = state_of_type(Py_TYPE(self));
+    DdpcCollArgs a = {
+        .op = (ddpc_coll)op, .send = (const void *)(uintptr_t)send,
+        .recv = (void *)(uintptr_t)recv, .count = (size_t)count, .dtype = (ddpc_dtype)dtype,
+        .redop = (ddpc_redop)redop, .root = root, .device = device, .stream = (uintptr_t)stream,
+    };
+    DdpcWork *w = NULL;
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_group_post(self->g, &a, &w));
+    if (st != DDPC_OK) return raise_status(s, st);
+    WorkObject *wo = PyObject_GC_New(WorkObject, s->WorkType);
+    if (!wo) {
+        ddpc_work_release(w);
+        return NULL;
+    }
+    wo->w = w;
+    Py_INCREF(keep);
+    wo->keep = keep;
+    Py_INCREF(self);
+    wo->group = (PyObject *)self;
+    PyObject_GC_Track(wo);
+    return (PyObject *)wo;
+}
+
+static PyObject *Group_abort(GroupObject *self, PyObject *args) {
+    const char *why;
+    if (!PyArg_ParseTuple(args, "s", &why)) return NULL;
+    if (!group_ready(self)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    ddpc_group_abort(self->g, DDPC_ERR_PEER, why);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *Group_get_rank(GroupObject *self, void *c) {
+    (void)c;
+    return group_ready(self) ? PyLong_FromLong(ddpc_group_rank(self->g)) : NULL;
+}
+static PyObject *Group_get_size(GroupObject *self, void *c) {
+    (void)c;
+    return group_ready(self) ? PyLong_FromLong(ddpc_group_size(self->g)) : NULL;
+}
+static PyObject *Group_get_backend(GroupObject *self, void *c) {
+    (void)c;
+    return group_ready(self) ? PyUnicode_FromString(ddpc_group_backend(self->g)) : NULL;
+}
+static PyObject *Group_get_transport(GroupObject *self, void *c) {
+    (void)c;
+    return group_ready(self) ? PyUnicode_FromString(ddpc_group_transport(self->g)) : NULL;
+}
+static PyObject *Group_get_timeout(GroupObject *self, void *c) {
+    (void)c;
+    return group_ready(self) ? PyFloat_FromDouble(ddpc_group_timeout_ms(self->g) / 1000.0) : NULL;
+}
+
+static PyGetSetDef Group_getset[] = {
+    {"rank", (getter)Group_get_rank, NULL, NULL, NULL},
+    {"world_size", (getter)Group_get_size, NULL, NULL, NULL},
+    {"backend", (getter)Group_get_backend, NULL, NULL, NULL},
+    {"transport", (getter)Group_get_transport, NULL, NULL, NULL},
+    {"timeout", (getter)Group_get_timeout, NULL, "seconds", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef Group_methods[] = {
+    {"post", (PyCFunction)Group_post, METH_VARARGS,
+     "post(op, send_ptr, recv_ptr, count, dtype, redop, root, device, stream, keep) -> Work"},
+    {"abort", (PyCFunction)Group_abort, METH_VARARGS,
+     "abort(why): fail this and every later collective on every rank with this message"},
+    {"destroy", (PyCFunction)Group_destroy, METH_NOARGS, "free the group"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot Group_slots[] = {
+    {Py_tp_new, Group_new},
+    {Py_tp_dealloc, Group_dealloc},
+    {Py_tp_traverse, Group_traverse},
+    {Py_tp_getset, Group_getset},
+    {Py_tp_methods, Group_methods},
+    {Py_tp_doc, "Group(store, rank, world_size, ...): a process group of the C core"},
+    {0, NULL},
+};
+
+static PyType_Spec Group_spec = {
+    "ddpc._C.Group", sizeof(GroupObject), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, Group_slots,
+};
+
+static void Work_dealloc(WorkObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    if (self->w) {
+        /* Dropping an unfinished collective must not free memory it still writes to. */
+        if (!ddpc_work_is_completed(self->w)) {
+            Py_BEGIN_ALLOW_THREADS
+            ddpc_work_wait(self->w);
+            Py_END_ALLOW_THREADS
+        }
+        ddpc_work_release(self->w);
+    }
+    Py_CLEAR(self->keep);
+    Py_CLEAR(self->group);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static int Work_traverse(WorkObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->keep);
+    Py_VISIT(self->group);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static PyObject *Work_wait(WorkObject *self, PyObject *args) {
+    unsigned long long stream = 0;
+    int use_stream = 0;
+    if (!PyArg_ParseTuple(args, "|Kp", &stream, &use_stream)) return NULL;
+    ddpc_status st;
+    if (use_stream) {
+        DDPC_NOGIL(st, ddpc_work_wait_stream(self->w, (uintptr_t)stream));
+    } else {
+        DDPC_NOGIL(st, ddpc_work_wait(self->w));
+    }
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *Work_is_completed(WorkObject *self, PyObject *unused) {
+    (void)unused;
+    return PyBool_FromLong(ddpc_work_is_completed(self->w));
+}
+
+static PyObject *Work_get_seq(WorkObject *self, void *c) {
+    (void)c;
+    return PyLong_FromUnsignedLongLong(ddpc_work_seq(self->w));
+}
+
+static PyGetSetDef Work_getset[] = {
+    {"seq", (getter)Work_get_seq, NULL, "sequence number of the collective (1-based)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef Work_methods[] = {
+    {"wait", (PyCFunction)Work_wait, METH_VARARGS,
+     "wait(stream=0, device_side=False) -> True; raises DistributedError on failure"},
+    {"is_completed", (PyCFunction)Work_is_completed, METH_NOARGS, "is_completed() -> bool"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot Work_slots[] = {
+    {Py_tp_dealloc, Work_dealloc},
+    {Py_tp_traverse, Work_traverse},
+    {Py_tp_getset, Work_getset},
+    {Py_tp_methods, Work_methods},
+    {Py_tp_doc, "handle of an asynchronous collective"},
+    {0, NULL},
+};
+
+static PyType_Spec Work_spec = {
+    "ddpc._C.Work", sizeof(WorkObject), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, Work_slots,
+};
+
+/* ---------------------------------------------------------------- Reducer (reducer.c) */
+/* BEGIN REDUCER BINDINGS */
+/* END REDUCER BINDINGS */
+
+/* ---------------------------------------------------------------- DistributedSampler (sampler.c) */
+/* BEGIN SAMPLER BINDINGS */
+/* END SAMPLER BINDINGS */
+
+/* ---------------------------------------------------------------- module functions */
+
+static PyObject *mod_cuda_built(PyObject *m, PyObject *unused) {
+    (void)m; (void)unused;
+    return PyBool_FromLong(ddpc_cuda_built());
+}
+
+static PyObject *mod_cuda_device_count(PyObject *m, PyObject *unused) {
+    (void)m; (void)unused;
+    int n;
+    Py_BEGIN_ALLOW_THREADS
+    n = ddpc_cuda_device_count();
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(n);
+}
+
+static PyObject *mod_cuda_set_device(PyObject *m, PyObject *args) {
+    int dev;
+    if (!PyArg_ParseTuple(args, "i", &dev)) return NULL;
+    ddpc_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ddpc_cuda_set_device(dev);
+    Py_END_ALLOW_THREADS
+    if (st != DDPC_OK) return raise_status(state_of_module(m), st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_nccl_version(PyObject *m, PyObject *unused) {
+    (void)unused;
+    char ver[64] = "";
+    ddpc_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = ddpc_nccl_load(ver, sizeof ver);
+    Py_END_ALLOW_THREADS
+    if (st != DDPC_OK) return raise_status(state_of_module(m), st);
+    return PyUnicode_FromString(ver);
+}
+
+static PyObject *mod_dtype_size(PyObject *m, PyObject *args) {
+    (void)m;
+    int dt;
+    if (!PyArg_ParseTuple(args, "i", &dt)) return NULL;
+    return PyLong_FromSize_t(ddpc_dtype_size((ddpc_dtype)dt));
+}
+
+static PyMethodDef module_methods[] = {
+    {"cuda_built", mod_cuda_built, METH_NOARGS, "True when this build has CUDA support"},
+    {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, "visible CUDA devices (0 without)"},
+    {"cuda_set_device", mod_cuda_set_device, METH_VARARGS, "bind this process to a device"},
+    {"nccl_version", mod_nccl_version, METH_NOARGS,
+     "load NCCL (dlopen) and return its version; raises when it cannot be found"},
+    {"dtype_size", mod_dtype_size, METH_VARARGS, "bytes per element of a dtype code"},
+    {NULL, NULL, 0, NULL},
+};
+
+/* ---------------------------------------------------------------- init */
+
+static PyObject *new_exception(PyObject *m, const char *name, PyObject *bases, const char *doc) {
+    PyObject *e = PyErr_NewExceptionWithDoc(name, doc, bases, NULL);
+    if (!e) return NULL;
+    const char *short_name = strrchr(name, '.') + 1;
+    if (PyModule_AddObjectRef(m, short_name, e) < 0) {
+        Py_DECREF(e);
+        return NULL;
+    }
+    return e;
+}
+
+static int add_type(PyObject *m, PyType_Spec *spec, PyTypeObject **slot) {
+    *slot = (PyTypeObject *)PyType_FromModuleAndSpec(m, spec, NULL);
+    if (!*slot) return -1;
+    return PyModule_AddType(m, *slot);
+}
+
+static int module_exec(PyObject *m) {
+    ModState *s = state_of_module(m);
+    s->DistributedError = new_exception(
+        m, "ddpc.DistributedError", PyExc_RuntimeError,
+        "A distributed operation failed: a timeout, a peer that died, a mismatch between ranks, "
+        "or a refused connection. The message names the operation, the rank and what to do.");
+    if (!s->DistributedError) return -1;
+    PyObject *tb = PyTuple_Pack(2, s->DistributedError, PyExc_TimeoutError);
+    if (!tb) return -1;
+    s->TimeoutError = new_exception(m, "ddpc.DistributedTimeoutError", tb,
+                                    "A collective or rendezvous step passed its deadline.");
+    Py_DECREF(tb);
+    if (!s->TimeoutError) return -1;
+    s->PeerError = new_exception(m, "ddpc.PeerError", s->DistributedError,
+                                 "Another rank died, closed its connection or aborted.");
+    if (!s->PeerError) return -1;
+    s->MismatchError = new_exception(m, "ddpc.MismatchError", s->DistributedError,
+                                     "Ranks called a collective or wrapped a model differently.");
+    if (!s->MismatchError) return -1;
+    s->AuthError = new_exception(m, "ddpc.AuthError", s->DistributedError,
+                                 "The store refused this job token.");
+    if (!s->AuthError) return -1;
+    if (add_type(m, &StoreServer_spec, &s->StoreServerType) < 0) return -1;
+    if (add_type(m, &Store_spec, &s->StoreType) < 0) return -1;
+    if (add_type(m, &Group_spec, &s->GroupType) < 0) return -1;
+    if (add_type(m, &Work_spec, &s->WorkType) < 0) return -1;
+    /* BEGIN TYPE REGISTRATION */
+    /* END TYPE REGISTRATION */
+    ddpc_set_interrupt_hook(interrupt_hook);
+    return 0;
+}
+
+static int module_traverse(PyObject *m, visitproc visit, void *arg) {
+    ModState *s = state_of_module(m);
+    Py_VISIT(s->DistributedError);
+    Py_VISIT(s->TimeoutError);
+    Py_VISIT(s->PeerError);
+    Py_VISIT(s->MismatchError);
+    Py_VISIT(s->AuthError);
+    Py_VISIT(s->StoreType);
+    Py_VISIT(s->StoreServerType);
+    Py_VISIT(s->GroupType);
+    Py_VISIT(s->WorkType);
+    Py_VISIT(s->ReducerType);
+    Py_VISIT(s->SamplerType);
+    return 0;
+}
+
+static int module_clear(PyObject *m) {
+    ModState *s = state_of_module(m);
+    Py_CLEAR(s->DistributedError);
+    Py_CLEAR(s->TimeoutError);
+    Py_CLEAR(s->PeerError);
+    Py_CLEAR(s->MismatchError);
+    Py_CLEAR(s->AuthError);
+    Py_CLEAR(s->StoreType);
+    Py_CLEAR(s->StoreServerType);
+    Py_CLEAR(s->GroupType);
+    Py_CLEAR(s->WorkType);
+    Py_CLEAR(s->ReducerType);
+    Py_CLEAR(s->SamplerType);
+    return 0;
+}
+
+static void module_free(void *m) { module_clear((PyObject *)m); }
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+static PyModuleDef ddpc_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "ddpc._C",
+    .m_doc = "The C core of ddpc: store, process groups, collectives, reducer, sampler.",
+    .m_size = sizeof(ModState),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&ddpc_module); }

@@ -1,0 +1,2 @@
+/* reducer.c: gradient buckets (placeholder until implemented). */
+#include "group.h"

@@ -1,0 +1,2 @@
+/* sampler.c: DistributedSampler index generation (placeholder until implemented). */
+#include "common.h"
