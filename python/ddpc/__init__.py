@@ -1,2 +1,40 @@
-"""ddpc: data-parallel training for a few GPUs, with a C core."""
-from ddpc._C import DistributedError, DistributedTimeoutError, PeerError, MismatchError, AuthError  # noqa: F401
+"""ddpc: data-parallel training for a few GPUs, with a C core.
+
+    import ddpc
+    ddpc.init_process_group()
+    model = ddpc.wrap_model(MyModel().to(ddpc.device()))
+    sampler = ddpc.DistributedSampler(dataset)
+
+Start the ranks with ``python -m ddpc.launch --nproc-per-node N train.py``.
+"""
+from ddpc._C import (  # noqa: F401
+    AuthError,
+    DistributedError,
+    DistributedTimeoutError,
+    MismatchError,
+    PeerError,
+)
+from ddpc.distributed import (  # noqa: F401
+    ReduceOp,
+    Work,
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    barrier,
+    broadcast,
+    destroy_process_group,
+    device,
+    get_backend,
+    get_local_rank,
+    get_local_world_size,
+    get_rank,
+    get_store,
+    get_world_size,
+    init_process_group,
+    is_available,
+    is_initialized,
+    reduce_scatter,
+    reduce_scatter_tensor,
+)
+
+__version__ = "0.1.0"

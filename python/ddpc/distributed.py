@@ -1,0 +1,758 @@
+"""Process groups, device binding and collectives on any array (torch tensors, NumPy arrays,
+CuPy arrays, anything with ``__dlpack__`` or ``__cuda_array_interface__``).
+
+Names and semantics follow ``torch.distributed``: a torchrun script moves to ddpc by changing
+imports. The work itself happens in the C core (``ddpc._C``); this module reads the environment,
+checks arguments and turns arrays into (pointer, count, dtype, device, stream).
+"""
+from __future__ import annotations
+
+import datetime
+import enum
+import hashlib
+import os
+import socket
+import sys
+import time
+import warnings
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+from ddpc import _C
+
+DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_MASTER_PORT = 29500
+
+# Collective codes, as in csrc/ddpc.h (ddpc_coll).
+_ALLREDUCE, _BROADCAST, _ALLGATHER, _REDUCE_SCATTER, _BARRIER = range(5)
+
+# dtype name -> code of csrc/ddpc.h (ddpc_dtype).
+_DTYPE_CODES = {
+    "float32": 0, "float64": 1, "float16": 2, "bfloat16": 3,
+    "int32": 4, "int64": 5, "uint8": 6, "int8": 7,
+}
+# __array_interface__ / __cuda_array_interface__ typestr (without byte order) -> dtype name.
+_TYPESTR = {"f4": "float32", "f8": "float64", "f2": "float16", "i4": "int32", "i8": "int64",
+            "u1": "uint8", "i1": "int8", "V2": "bfloat16"}
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction operations, with torch.distributed's names (``ddpc.ReduceOp.SUM``)."""
+
+    SUM = 0
+    AVG = 1
+    MIN = 2
+    MAX = 3
+    PRODUCT = 4
+    PROD = 4
+
+
+_OP_NAMES = {"sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "mean": ReduceOp.AVG,
+             "min": ReduceOp.MIN, "max": ReduceOp.MAX, "prod": ReduceOp.PRODUCT,
+             "product": ReduceOp.PRODUCT}
+
+
+def _reduce_op(op: Any) -> int:
+    if isinstance(op, str):
+        code = _OP_NAMES.get(op.lower())
+        if code is None:
+            raise ValueError(f"op={op!r} is not a reduction: use one of "
+                             f"{sorted(set(_OP_NAMES))} or ddpc.ReduceOp.SUM/AVG/MIN/MAX/PRODUCT")
+        return int(code)
+    if isinstance(op, ReduceOp):
+        return int(op)
+    # torch.distributed.ReduceOp members, so torch-style code keeps working after the import swap.
+    name = getattr(op, "name", None) or str(op).rsplit(".", 1)[-1]
+    if isinstance(name, str) and name.lower() in _OP_NAMES:
+        return int(_OP_NAMES[name.lower()])
+    raise TypeError(f"op must be a str or ddpc.ReduceOp, got {type(op).__name__} {op!r}")
+
+
+# ------------------------------------------------------------------------- group state
+
+
+class _State:
+    """Everything init_process_group creates, for destroy_process_group to release."""
+
+    def __init__(self) -> None:
+        self.server: Optional[_C.StoreServer] = None
+        self.store: Optional[_C.Store] = None
+        self.group: Optional[_C.Group] = None
+        self.rank = -1
+        self.world_size = -1
+        self.local_rank = -1
+        self.local_world_size = -1
+        self.backend = ""
+        self.device_index: Optional[int] = None  # CUDA ordinal this process is bound to
+        self.timeout = DEFAULT_TIMEOUT_S
+        self.master = ("", 0)
+        self.groups_made = 0
+
+
+_state: Optional[_State] = None
+
+
+def _env_int(*names: str) -> Optional[int]:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+    return None
+
+
+def _resolve_ranks(rank: int, world_size: int) -> Tuple[int, int, int, int]:
+    """rank, world, local_rank, local_world from the arguments, then torchrun, SLURM or Open MPI."""
+    env_rank = _env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+    env_world = _env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+    env_local = _env_int("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+    env_local_world = _env_int("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                               "SLURM_NTASKS_PER_NODE")
+    r = rank if rank >= 0 else env_rank
+    w = world_size if world_size >= 1 else env_world
+    if r is None or w is None:
+        missing = [n for n, v in (("rank (RANK)", r), ("world_size (WORLD_SIZE)", w)) if v is None]
+        raise ValueError(
+            "init_process_group could not find " + " and ".join(missing) + ": start the script "
+            "with `python -m ddpc.launch --nproc-per-node N script.py` (or torchrun/srun/mpirun), "
+            "or pass rank= and world_size=")
+    if w < 1:
+        raise ValueError(f"world_size must be >= 1, got {w}")
+    if not 0 <= r < w:
+        raise ValueError(f"rank must be in [0, {w}), got {r}")
+    local = env_local if env_local is not None else r
+    local_world = env_local_world if env_local_world is not None else w
+    return r, w, local, max(local_world, local + 1)
+
+
+def _timeout_seconds(timeout: Any) -> float:
+    if timeout is None:
+        env = os.environ.get("DDPC_TIMEOUT")
+        return float(env) if env else DEFAULT_TIMEOUT_S
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"timeout must be seconds (float) or a datetime.timedelta, "
+                        f"got {type(timeout).__name__}")
+    if seconds <= 0:
+        raise ValueError(f"timeout must be positive, got {seconds} s")
+    return seconds
+
+
+def _host_id() -> str:
+    """Identifies this machine (and boot): ranks with equal ids can share memory."""
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _job_token(addr: str, port: int) -> str:
+    token = os.environ.get("DDPC_TOKEN", "")
+    if token:
+        return token
+    # Started by torchrun/srun without ddpc.launch: no shared secret exists. Derive one from what
+    # every rank knows, and say plainly that the store is then protected by its address only.
+    if os.environ.get("DDPC_QUIET_TOKEN_WARNING") != "1":
+        warnings.warn("DDPC_TOKEN is not set: the rendezvous store accepts any client that can "
+                      "reach it. Start with `python -m ddpc.launch` (which sets a random token) or "
+                      "export the same DDPC_TOKEN on every rank.", RuntimeWarning, stacklevel=3)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "") + os.environ.get("SLURM_JOB_ID", "")
+    return hashlib.sha256(f"ddpc:{addr}:{port}:{run_id}".encode()).hexdigest()
+
+
+def _parse_init_method(init_method: Optional[str]) -> Tuple[str, Any]:
+    if init_method is None or init_method == "env://":
+        return "env", None
+    if not isinstance(init_method, str):
+        raise TypeError(f"init_method must be a str such as 'env://', 'tcp://host:port' or "
+                        f"'file:///path', got {type(init_method).__name__}")
+    if init_method.startswith("tcp://"):
+        hostport = init_method[len("tcp://"):].rstrip("/")
+        host, sep, port = hostport.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"init_method={init_method!r}: expected 'tcp://host:port'")
+        return "tcp", (host.strip("[]"), int(port))
+    if init_method.startswith("file://"):
+        path = init_method[len("file://"):]
+        if not path:
+            raise ValueError(f"init_method={init_method!r}: expected 'file:///absolute/path'")
+        return "file", path
+    raise ValueError(f"init_method={init_method!r} is not supported: use 'env://', "
+                     f"'tcp://host:port' or 'file:///path'")
+
+
+def _file_rendezvous(path: str, rank: int, timeout: float) -> Tuple[str, int, str]:
+    """Rank 0 serves the store and writes 'host port token' to path; the others read it."""
+    if rank == 0:
+        token = os.environ.get("DDPC_TOKEN") or os.urandom(16).hex()
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        server = _C.StoreServer(addr, 0, token)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{addr} {server.port} {token}\n")
+        os.replace(tmp, path)
+        _file_rendezvous.server = server  # type: ignore[attr-defined]
+        return addr, server.port, token
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(path) as f:
+                parts = f.read().split()
+            if len(parts) == 3:
+                return parts[0], int(parts[1]), parts[2]
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise _C.DistributedTimeoutError(
+                f"rank {rank}: init_method file://{path} was not written by rank 0 within "
+                f"{timeout:.0f} s: is rank 0 running, and do all ranks see the same file?")
+        time.sleep(0.05)
+
+
+def _pick_backend(backend: Optional[str]) -> str:
+    if backend is None or backend == "auto":
+        if _C.cuda_built() and _C.cuda_device_count() > 0:
+            try:
+                _C.nccl_version()
+                return "nccl"
+            except _C.DistributedError:
+                return "cpu"
+        return "cpu"
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str ('cpu', 'nccl' or None), got {type(backend).__name__}")
+    b = backend.lower()
+    if b == "gloo":
+        b = "cpu"
+    if b not in ("cpu", "nccl"):
+        raise ValueError(f"backend={backend!r} is not supported: use 'cpu' (alias 'gloo'), "
+                         f"'nccl', or None to pick nccl when GPUs and NCCL are present")
+    return b
+
+
+def _bind_device(local_rank: int, backend: str) -> Optional[int]:
+    """Binds this process to GPU local_rank before any other CUDA work (so no process ever creates
+    a context on someone else's GPU 0). Returns the ordinal, or None on CPU."""
+    ndev = _C.cuda_device_count() if _C.cuda_built() else 0
+    if ndev == 0:
+        if backend == "nccl":
+            raise ValueError("backend='nccl' needs CUDA GPUs, but none is visible "
+                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}, "
+                             f"CUDA built: {bool(_C.cuda_built())}): use backend='cpu'")
+        return None
+    if local_rank >= ndev:
+        if backend == "nccl":
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} but only {ndev} GPU(s) are visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): start at most "
+                f"{ndev} processes per node, or make more GPUs visible")
+        return None
+    _C.cuda_set_device(local_rank)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    return local_rank
+
+
+def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None,
+                       rank: int = -1, world_size: int = -1,
+                       timeout: Union[float, datetime.timedelta, None] = None,
+                       **kwargs: Any) -> None:
+    """Joins this process to the default process group.
+
+    backend: "cpu" (shared memory on one host, TCP across hosts; alias "gloo"), "nccl", or None to
+    pick "nccl" when this build has CUDA, a GPU is visible and NCCL loads, else "cpu".
+    init_method: "env://" (default: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT as torchrun sets them; SLURM_* and OMPI_COMM_WORLD_* are read when those are what
+    is set), "tcp://host:port" or "file:///path". rank/world_size override the environment.
+    timeout: seconds or a timedelta for every blocking call (default 600 s, or DDPC_TIMEOUT).
+
+    On a GPU machine the process is bound to GPU LOCAL_RANK first. Rank 0 serves the rendezvous
+    store; clients prove they know DDPC_TOKEN. Raises ValueError/TypeError for bad arguments and
+    ddpc.DistributedError (DistributedTimeoutError, AuthError, ...) when the rendezvous fails.
+    """
+    global _state
+    unknown = set(kwargs) - {"store", "group_name", "device_id", "pg_options"}
+    if unknown:
+        raise TypeError(f"init_process_group() got unexpected keyword argument(s) {sorted(unknown)}")
+    if _state is not None:
+        raise RuntimeError("init_process_group was already called in this process: call "
+                           "ddpc.destroy_process_group() first to start a new one")
+    timeout_s = _timeout_seconds(timeout)
+    backend_name = _pick_backend(backend)
+    kind, where = _parse_init_method(init_method)
+    r, w, local, local_world = _resolve_ranks(rank, world_size)
+    st = _State()
+    st.rank, st.world_size, st.local_rank, st.local_world_size = r, w, local, local_world
+    st.backend = backend_name
+    st.timeout = timeout_s
+    st.device_index = _bind_device(local, backend_name)
+    try:
+        if kind == "file":
+            addr, port, token = _file_rendezvous(where, r, timeout_s)
+            st.server = getattr(_file_rendezvous, "server", None) if r == 0 else None
+        else:
+            if kind == "tcp":
+                addr, port = where
+            else:
+                addr = os.environ.get("MASTER_ADDR")
+                port_env = os.environ.get("MASTER_PORT")
+                if w == 1 and not addr:
+                    addr = "127.0.0.1"
+                if not addr:
+                    raise ValueError("MASTER_ADDR is not set: start with `python -m ddpc.launch` "
+                                     "or torchrun, or set MASTER_ADDR and MASTER_PORT (or pass "
+                                     "init_method='tcp://host:port')")
+                if port_env is None and w > 1:
+                    raise ValueError("MASTER_PORT is not set: start with `python -m ddpc.launch` "
+                                     "or torchrun, or export MASTER_PORT (a free port on "
+                                     "MASTER_ADDR)")
+                port = int(port_env) if port_env else 0
+            token = _job_token(addr, port)
+            if r == 0:
+                st.server = _C.StoreServer(_server_bind_addr(addr), port, token)
+                port = st.server.port
+        st.master = (addr, port)
+        st.store = _C.Store(addr, port, token, r, timeout_s)
+        transport = {"auto": 0, "shm": 1, "tcp": 2}.get(
+            os.environ.get("DDPC_CPU_TRANSPORT", "auto").lower())
+        if transport is None:
+            raise ValueError(f"DDPC_CPU_TRANSPORT={os.environ['DDPC_CPU_TRANSPORT']!r}: use "
+                             f"'auto', 'shm' or 'tcp'")
+        st.group = _C.Group(st.store, r, w, local_rank=local, local_world_size=local_world,
+                            backend=backend_name, timeout=timeout_s, prefix="g0",
+                            transport=transport, host_id=_host_id(),
+                            bind_addr=_local_addr_towards(addr),
+                            device=-1 if st.device_index is None else st.device_index)
+    except BaseException:
+        _release(st)
+        raise
+    _state = st
+
+
+def _server_bind_addr(addr: str) -> str:
+    """The address rank 0 serves on: MASTER_ADDR itself (never all interfaces unless asked)."""
+    if addr in ("localhost", "127.0.0.1", "::1", "0.0.0.0"):
+        return "127.0.0.1" if addr == "localhost" else addr
+    try:
+        return socket.gethostbyname(addr)
+    except OSError:
+        return addr
+
+
+def _local_addr_towards(addr: str) -> str:
+    """This host's address as seen on the route to the store (for the TCP data transport)."""
+    override = os.environ.get("DDPC_BIND_ADDR")
+    if override:
+        return override
+    try:
+        ip = socket.gethostbyname(addr)
+    except OSError:
+        return "127.0.0.1"
+    if ip.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((ip, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def _release(st: _State) -> None:
+    if st.group is not None:
+        st.group.destroy()
+        st.group = None
+    if st.store is not None:
+        st.store.close()
+        st.store = None
+    if st.server is not None:
+        st.server.stop()
+        st.server = None
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """Leaves the process group and frees its resources. Rank 0, which serves the store, waits
+    (up to 10 s) for the other ranks to leave first so none of them loses the store mid-call."""
+    global _state
+    if group is not None and _state is not None and group is not _state.group:
+        group.destroy()
+        return
+    st = _state
+    if st is None:
+        return
+    _state = None
+    try:
+        if st.store is not None and st.group is not None and st.world_size > 1:
+            st.group.destroy()
+            st.group = None
+            st.store.add("ddpc/left", 1)
+            if st.rank == 0:
+                deadline = time.monotonic() + 10.0
+                while st.store.add("ddpc/left", 0) < st.world_size and time.monotonic() < deadline:
+                    time.sleep(0.01)
+    except _C.DistributedError:
+        pass  # a peer or the store is already gone: nothing left to coordinate with
+    finally:
+        _release(st)
+
+
+def _require() -> _State:
+    if _state is None:
+        raise RuntimeError("the default process group is not initialized: call "
+                           "ddpc.init_process_group() first (or start with python -m ddpc.launch)")
+    return _state
+
+
+def is_initialized() -> bool:
+    """True between init_process_group and destroy_process_group."""
+    return _state is not None
+
+
+def is_available() -> bool:
+    return True
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank in the default group (0 when not initialized, like single-process)."""
+    return _state.rank if _state is not None else 0
+
+
+def get_world_size(group: Any = None) -> int:
+    """Number of ranks (1 when not initialized)."""
+    return _state.world_size if _state is not None else 1
+
+
+def get_local_rank() -> int:
+    """This process's rank on its node (LOCAL_RANK)."""
+    if _state is not None:
+        return _state.local_rank
+    return _env_int("LOCAL_RANK") or 0
+
+
+def get_local_world_size() -> int:
+    if _state is not None:
+        return _state.local_world_size
+    return _env_int("LOCAL_WORLD_SIZE") or 1
+
+
+def get_backend(group: Any = None) -> str:
+    return _require().backend
+
+
+def get_store() -> Any:
+    """The rendezvous store client of the default group (set/get/add/wait/check...)."""
+    return _require().store
+
+
+def _default_group() -> Any:
+    return _require().group
+
+
+def device() -> Any:
+    """The device this rank owns: torch.device('cuda', i) when bound to a GPU, else cpu. Returns
+    a torch.device when torch is importable, else the string 'cuda:i' / 'cpu'."""
+    index = _state.device_index if _state is not None else None
+    if _state is None and _C.cuda_built() and _C.cuda_device_count() > 0:
+        index = min(get_local_rank(), _C.cuda_device_count() - 1)
+    name = "cpu" if index is None else f"cuda:{index}"
+    try:
+        import torch
+    except ImportError:
+        return name
+    return torch.device(name)
+
+
+# ------------------------------------------------------------------------- arrays -> buffers
+
+
+class _Buffer:
+    __slots__ = ("ptr", "count", "dtype", "device", "stream", "owner", "shape")
+
+    def __init__(self, ptr: int, count: int, dtype: int, device: int, stream: int, owner: Any,
+                 shape: Tuple[int, ...]) -> None:
+        self.ptr, self.count, self.dtype = ptr, count, dtype
+        self.device, self.stream, self.owner, self.shape = device, stream, owner, shape
+
+
+def _dtype_code(name: str, what: str) -> int:
+    code = _DTYPE_CODES.get(name)
+    if code is None:
+        raise TypeError(f"{what} has dtype {name}, which ddpc collectives do not support: use one "
+                        f"of {', '.join(_DTYPE_CODES)}")
+    return code
+
+
+def _torch_buffer(t: Any, what: str) -> _Buffer:
+    if not t.is_contiguous():
+        raise ValueError(f"{what} is not contiguous (shape {tuple(t.shape)}, strides "
+                         f"{t.stride()}): pass tensor.contiguous() and copy the result back")
+    if t.is_sparse or t.layout.__repr__() != "torch.strided":
+        raise TypeError(f"{what} must be a dense (strided) tensor, got layout {t.layout}")
+    name = str(t.dtype).replace("torch.", "")
+    dtype = _dtype_code(name, what)
+    if t.device.type == "cuda":
+        import torch
+        dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        stream = torch.cuda.current_stream(dev).cuda_stream
+    elif t.device.type == "cpu":
+        dev, stream = -1, 0
+    else:
+        raise TypeError(f"{what} is on device {t.device}: ddpc works on cpu and cuda tensors")
+    return _Buffer(t.data_ptr(), t.numel(), dtype, dev, stream, t, tuple(t.shape))
+
+
+def _numpy_buffer(a: Any, what: str, writable: bool) -> _Buffer:
+    if not a.flags["C_CONTIGUOUS"]:
+        raise ValueError(f"{what} is not C-contiguous: pass numpy.ascontiguousarray(x) and copy "
+                         f"the result back")
+    if writable and not a.flags["WRITEABLE"]:
+        raise ValueError(f"{what} is read-only, but the collective writes its result into it")
+    return _Buffer(a.ctypes.data, a.size, _dtype_code(a.dtype.name, what), -1, 0, a,
+                   tuple(a.shape))
+
+
+def _as_buffer(x: Any, what: str, writable: bool = True) -> _Buffer:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return _torch_buffer(x, what)
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(x, np.ndarray):
+        return _numpy_buffer(x, what, writable)
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is not None:
+        typestr = cai["typestr"].lstrip("<>|=")
+        name = _TYPESTR.get(typestr)
+        if name is None:
+            raise TypeError(f"{what} has typestr {cai['typestr']}, which ddpc does not support")
+        if cai.get("strides") not in (None, ()):
+            raise ValueError(f"{what} must be C-contiguous (its __cuda_array_interface__ has "
+                             f"strides {cai['strides']})")
+        count = 1
+        for n in cai["shape"]:
+            count *= n
+        ptr = cai["data"][0]
+        stream = cai.get("stream") or 0
+        if stream in (1, 2):  # the legacy / per-thread default stream markers
+            stream = 0
+        dev = _pointer_device(x)
+        return _Buffer(ptr, count, _dtype_code(name, what), dev, stream, x, tuple(cai["shape"]))
+    if hasattr(x, "__dlpack__"):
+        dev_type, dev_id = x.__dlpack_device__() if hasattr(x, "__dlpack_device__") else (1, 0)
+        if dev_type == 1:  # kDLCPU
+            import numpy
+            return _numpy_buffer(numpy.from_dlpack(x), what, writable)
+        if torch is not None:
+            return _torch_buffer(torch.from_dlpack(x), what)
+        raise TypeError(f"{what} lives on DLPack device type {dev_type}: install torch, or pass "
+                        f"an object with __cuda_array_interface__")
+    raise TypeError(f"{what} must be a torch.Tensor, a numpy.ndarray, or an array with "
+                    f"__dlpack__ / __cuda_array_interface__, got {type(x).__name__}")
+
+
+def _pointer_device(x: Any) -> int:
+    dev = getattr(x, "device", None)
+    idx = getattr(dev, "id", None)
+    if isinstance(idx, int):
+        return idx
+    return _state.device_index if _state is not None and _state.device_index is not None else 0
+
+
+# ------------------------------------------------------------------------- collectives
+
+
+class Work:
+    """Handle of a collective started with async_op=True (torch.distributed's Work)."""
+
+    def __init__(self, work: Any, finish: Any = None, device_side: bool = False,
+                 stream: int = 0) -> None:
+        self._work = work
+        self._finish = finish
+        self._device_side = device_side
+        self._stream = stream
+        self._done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Waits for the collective. On GPU, makes the current CUDA stream wait for it (no host
+        sync), like torch's NCCL work. Raises ddpc.DistributedError if it failed."""
+        if self._device_side:
+            import torch
+            self._work.wait(torch.cuda.current_stream().cuda_stream, True)
+        else:
+            self._work.wait()
+        if not self._done:
+            self._done = True
+            if self._finish is not None:
+                self._finish()
+        return True
+
+    def is_completed(self) -> bool:
+        """True once the collective finished (successfully or not); never blocks."""
+        return bool(self._work.is_completed())
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    @property
+    def seq(self) -> int:
+        return self._work.seq
+
+
+def _group(group: Any) -> Any:
+    st = _require()
+    if group is None:
+        return st.group
+    return group
+
+
+def _run(g: Any, op: int, send: Optional[_Buffer], recv: _Buffer, count: int, redop: int,
+         root: int, keep: Any, async_op: bool, finish: Any = None) -> Optional[Work]:
+    if send is not None and send.device != recv.device:
+        raise ValueError(f"input and output are on different devices ({send.device} and "
+                         f"{recv.device}); put both on the same device")
+    if recv.device >= 0 and g.backend != "nccl":
+        raise ValueError("a CUDA tensor was passed to a process group with backend 'cpu': call "
+                         "init_process_group(backend='nccl') or move the tensor to the cpu")
+    if recv.device < 0 and g.backend == "nccl":
+        raise ValueError("a host (cpu) array was passed to a process group with backend 'nccl': "
+                         "move it to ddpc.device(), or use backend='cpu'")
+    work = g.post(op, send.ptr if send is not None else 0, recv.ptr, count, recv.dtype, redop,
+                  root, recv.device, recv.stream, keep)
+    w = Work(work, finish, device_side=recv.device >= 0, stream=recv.stream)
+    if async_op:
+        return w
+    w.wait()
+    return None
+
+
+def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None,
+               async_op: bool = False) -> Optional[Work]:
+    """Reduces tensor across ranks in place (op: "sum", "avg", "min", "max", "prod" or a
+    ddpc.ReduceOp). With async_op=True returns a Work; otherwise returns None when done."""
+    g = _group(group)
+    b = _as_buffer(tensor, "all_reduce: tensor")
+    return _run(g, _ALLREDUCE, None, b, b.count, _reduce_op(op), 0, b.owner, async_op)
+
+
+def broadcast(tensor: Any, src: int = 0, group: Any = None, async_op: bool = False) -> Optional[Work]:
+    """Copies rank src's tensor into every rank's tensor (in place)."""
+    g = _group(group)
+    if not isinstance(src, int) or isinstance(src, bool):
+        raise TypeError(f"src must be an int rank, got {type(src).__name__}")
+    if not 0 <= src < g.world_size:
+        raise ValueError(f"broadcast: src={src} is not a rank of this group (0..{g.world_size - 1})")
+    b = _as_buffer(tensor, "broadcast: tensor")
+    return _run(g, _BROADCAST, None, b, b.count, 0, src, b.owner, async_op)
+
+
+def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = None,
+                           async_op: bool = False) -> Optional[Work]:
+    """output_tensor (world_size * input.numel() elements) receives every rank's input in rank
+    order."""
+    g = _group(group)
+    inp = _as_buffer(input_tensor, "all_gather: input", writable=False)
+    out = _as_buffer(output_tensor, "all_gather: output")
+    if out.count != inp.count * g.world_size:
+        raise ValueError(f"all_gather: output has {out.count} elements but needs world_size * "
+                         f"input = {g.world_size} * {inp.count} = {g.world_size * inp.count}")
+    if out.dtype != inp.dtype:
+        raise TypeError("all_gather: input and output dtypes differ")
+    return _run(g, _ALLGATHER, inp, out, inp.count, 0, 0, (inp.owner, out.owner), async_op)
+
+
+def _concat_like(items: Sequence[Any], what: str) -> Tuple[Any, Any]:
+    """A fresh flat array holding len(items) equally shaped arrays, and a function to split it."""
+    first = items[0]
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(first, torch.Tensor):
+        for i, t in enumerate(items):
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise ValueError(f"{what}[{i}] has shape {tuple(t.shape)} {t.dtype} on {t.device} "
+                                 f"but {what}[0] has {tuple(first.shape)} {first.dtype} on "
+                                 f"{first.device}: all must match")
+        flat = torch.empty((len(items),) + tuple(first.shape), dtype=first.dtype,
+                           device=first.device)
+        return flat, lambda: [flat[i] for i in range(len(items))]
+    import numpy as np
+    arrays = [np.asarray(a) for a in items]
+    for i, a in enumerate(arrays):
+        if a.shape != arrays[0].shape or a.dtype != arrays[0].dtype:
+            raise ValueError(f"{what}[{i}] has shape {a.shape} {a.dtype} but {what}[0] has "
+                             f"{arrays[0].shape} {arrays[0].dtype}: all must match")
+    flat = np.empty((len(items),) + arrays[0].shape, dtype=arrays[0].dtype)
+    return flat, lambda: [flat[i] for i in range(len(items))]
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    else:
+        dst[...] = src
+
+
+def all_gather(tensor_list: List[Any], tensor: Any, group: Any = None,
+               async_op: bool = False) -> Optional[Work]:
+    """tensor_list[r] receives rank r's tensor (torch.distributed.all_gather)."""
+    g = _group(group)
+    if not isinstance(tensor_list, (list, tuple)) or len(tensor_list) != g.world_size:
+        raise ValueError(f"all_gather: tensor_list must be a list of world_size={g.world_size} "
+                         f"arrays, got {type(tensor_list).__name__} of length "
+                         f"{len(tensor_list) if hasattr(tensor_list, '__len__') else '?'}")
+    flat, split = _concat_like([tensor] * g.world_size, "all_gather: tensor")
+    inp = _as_buffer(tensor, "all_gather: tensor", writable=False)
+    out = _as_buffer(flat, "all_gather: output")
+
+    def finish() -> None:
+        for dst, part in zip(tensor_list, split()):
+            _copy_into(dst, part.reshape(dst.shape))
+
+    return _run(g, _ALLGATHER, inp, out, inp.count, 0, 0, (inp.owner, flat), async_op, finish)
+
+
+def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM, group: Any = None,
+                          async_op: bool = False) -> Optional[Work]:
+    """output (n elements) receives this rank's n-element slice of the reduction of every rank's
+    input (world_size * n elements)."""
+    g = _group(group)
+    inp = _as_buffer(input, "reduce_scatter: input", writable=False)
+    out = _as_buffer(output, "reduce_scatter: output")
+    if inp.count != out.count * g.world_size:
+        raise ValueError(f"reduce_scatter: input has {inp.count} elements but needs world_size * "
+                         f"output = {g.world_size} * {out.count} = {g.world_size * out.count}")
+    if out.dtype != inp.dtype:
+        raise TypeError("reduce_scatter: input and output dtypes differ")
+    return _run(g, _REDUCE_SCATTER, inp, out, out.count, _reduce_op(op), 0,
+                (inp.owner, out.owner), async_op)
+
+
+def reduce_scatter(output: Any, input_list: List[Any], op: Any = ReduceOp.SUM, group: Any = None,
+                   async_op: bool = False) -> Optional[Work]:
+    """output receives the reduction over ranks of input_list[this rank]
+    (torch.distributed.reduce_scatter)."""
+    g = _group(group)
+    if not isinstance(input_list, (list, tuple)) or len(input_list) != g.world_size:
+        raise ValueError(f"reduce_scatter: input_list must be a list of world_size="
+                         f"{g.world_size} arrays")
+    flat, split = _concat_like(list(input_list), "reduce_scatter: input_list")
+    for dst, src in zip(split(), input_list):
+        _copy_into(dst, src)
+    return reduce_scatter_tensor(output, flat, op=op, group=group, async_op=async_op)
+
+
+def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Optional[Work]:
+    """Blocks until every rank reached the barrier (or the timeout names those that did not)."""
+    g = _group(group)
+    work = g.post(_BARRIER, 0, 0, 0, 0, 0, 0, -1, 0, None)
+    w = Work(work)
+    if async_op:
+        return w
+    w.wait()
+    return None
