@@ -39,7 +39,37 @@
                               strerror(rc_), __FILE__, __LINE__);                          \
     } while (0)
 
+#ifdef DDPC_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+/* A CUDA runtime call: the message names the call, the error and where it happened. */
+#define DDPC_CUDACHECK(call)                                                               \
+    do {                                                                                   \
+        cudaError_t ce_ = (call);                                                          \
+        if (ce_ != cudaSuccess)                                                            \
+            return ddpc_error(DDPC_ERR_CUDA, "%s failed: %s (%s) (%s:%d)", #call,          \
+                              cudaGetErrorName(ce_), cudaGetErrorString(ce_), __FILE__,    \
+                              __LINE__);                                                   \
+    } while (0)
+
+#define DDPC_CUDACHECK_GOTO(call, st, label)                                               \
+    do {                                                                                   \
+        cudaError_t ce_ = (call);                                                          \
+        if (ce_ != cudaSuccess) {                                                          \
+            (st) = ddpc_error(DDPC_ERR_CUDA, "%s failed: %s (%s) (%s:%d)", #call,          \
+                              cudaGetErrorName(ce_), cudaGetErrorString(ce_), __FILE__,    \
+                              __LINE__);                                                   \
+            goto label;                                                                    \
+        }                                                                                  \
+    } while (0)
+#endif
+
 #define DDPC_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define DDPC_MAX(a, b) ((a) > (b) ? (a) : (b))
+
+/* SHA-256 and HMAC-SHA256 (store.c): the store's challenge-response authentication. */
+void ddpc_sha256(const void *data, size_t len, uint8_t out[32]);
+void ddpc_hmac_sha256(const void *key, size_t key_len, const void *msg, size_t msg_len,
+                      uint8_t out[32]);
 
 #endif /* DDPC_COMMON_H */
