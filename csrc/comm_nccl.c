@@ -1,12 +1,1185 @@
-/* comm_nccl.c: collectives on device memory through NCCL (placeholder until implemented). */
+/* comm_nccl.c: collectives on device memory through NCCL, which is loaded at run time (dlopen; no
+ * nccl.h at build time: the few types and entry points used are declared here). Per group: one
+ * nonblocking communicator, one high-priority communication stream, and one watchdog thread that
+ * completes works, enforces deadlines and aborts the communicator when a peer fails. */
+#include <dlfcn.h>
+#include <limits.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
 #include "group.h"
-static ddpc_status nccl_init(DdpcGroup *g) { (void)g; return ddpc_error(DDPC_ERR_UNAVAILABLE, "nccl backend not implemented"); }
-static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) { (void)g;(void)w; return DDPC_ERR_UNAVAILABLE; }
+
+/* ---------------------------------------------------------------- the part of NCCL's ABI we use */
+
+/* Values as in NCCL 2.x's nccl.h. NCCL only ever appends to these enums, so they hold for every
+ * 2.x release ddpc accepts (>= 2.14). */
+typedef struct ncclComm *ncclComm_t;
+#define NCCL_UNIQUE_ID_BYTES 128
+typedef struct {
+    char internal[NCCL_UNIQUE_ID_BYTES];
+} ncclUniqueId;
+
+typedef int ncclResult_t;
+enum { ncclSuccess = 0, ncclInProgress = 7 };
+
+typedef int ncclDataType_t;
+enum {
+    ncclInt8 = 0,
+    ncclUint8 = 1,
+    ncclInt32 = 2,
+    ncclInt64 = 4,
+    ncclFloat16 = 6,
+    ncclFloat32 = 7,
+    ncclFloat64 = 8,
+    ncclBfloat16 = 9,
+};
+
+typedef int ncclRedOp_t;
+enum { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4 };
+
+/* The leading fields of ncclConfig_t. NCCL copies min(size, sizeof its own struct) bytes over its
+ * defaults and resets every field newer than `version`, so this prefix, stamped with the version
+ * that introduced it, is a complete configuration for every later NCCL. */
+typedef struct {
+    size_t size;
+    unsigned int magic;
+    unsigned int version;
+    int blocking;
+    int cgaClusterSize;
+} NcclConfig;
+#define NCCL_CONFIG_MAGIC 0xcafebeefu
+#define NCCL_CONFIG_UNDEF_INT INT_MIN
+/* 2.14 brought ncclCommInitRankConfig and nonblocking communicators, which every deadline below
+ * relies on (a blocking NCCL call cannot be interrupted). */
+#define NCCL_MIN_VERSION 21400
+
+typedef struct NcclApi {
+    ncclResult_t (*GetVersion)(int *version);
+    ncclResult_t (*GetUniqueId)(ncclUniqueId *id);
+    ncclResult_t (*CommInitRankConfig)(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank,
+                                       NcclConfig *config);
+    ncclResult_t (*CommGetAsyncError)(ncclComm_t comm, ncclResult_t *state);
+    ncclResult_t (*CommFinalize)(ncclComm_t comm);
+    ncclResult_t (*CommDestroy)(ncclComm_t comm);
+    ncclResult_t (*CommAbort)(ncclComm_t comm);
+    /* The last argument of the collectives is a cudaStream_t, an opaque pointer. */
+    ncclResult_t (*AllReduce)(const void *send, void *recv, size_t count, ncclDataType_t dt,
+                              ncclRedOp_t op, ncclComm_t comm, void *stream);
+    ncclResult_t (*Broadcast)(const void *send, void *recv, size_t count, ncclDataType_t dt,
+                              int root, ncclComm_t comm, void *stream);
+    ncclResult_t (*AllGather)(const void *send, void *recv, size_t count, ncclDataType_t dt,
+                              ncclComm_t comm, void *stream);
+    ncclResult_t (*ReduceScatter)(const void *send, void *recv, size_t count, ncclDataType_t dt,
+                                  ncclRedOp_t op, ncclComm_t comm, void *stream);
+    const char *(*GetErrorString)(ncclResult_t result);
+    const char *(*GetLastError)(ncclComm_t comm);
+} NcclApi;
+
+static const struct {
+    const char *name;
+    size_t offset;
+} k_nccl_syms[] = {
+    {"ncclGetVersion", offsetof(NcclApi, GetVersion)},
+    {"ncclGetUniqueId", offsetof(NcclApi, GetUniqueId)},
+    {"ncclCommInitRankConfig", offsetof(NcclApi, CommInitRankConfig)},
+    {"ncclCommGetAsyncError", offsetof(NcclApi, CommGetAsyncError)},
+    {"ncclCommFinalize", offsetof(NcclApi, CommFinalize)},
+    {"ncclCommDestroy", offsetof(NcclApi, CommDestroy)},
+    {"ncclCommAbort", offsetof(NcclApi, CommAbort)},
+    {"ncclAllReduce", offsetof(NcclApi, AllReduce)},
+    {"ncclBroadcast", offsetof(NcclApi, Broadcast)},
+    {"ncclAllGather", offsetof(NcclApi, AllGather)},
+    {"ncclReduceScatter", offsetof(NcclApi, ReduceScatter)},
+    {"ncclGetErrorString", offsetof(NcclApi, GetErrorString)},
+    {"ncclGetLastError", offsetof(NcclApi, GetLastError)},
+};
+
+static pthread_mutex_t g_load_mu = PTHREAD_MUTEX_INITIALIZER;
+static NcclApi g_api;          /* complete once g_api_ready is set; never changes after */
+static int g_api_ready;        /* guarded by g_load_mu */
+static char g_version[32];     /* "2.28.3" */
+static char g_path[PATH_MAX];  /* the file NCCL was loaded from */
+
+/* ---------------------------------------------------------------- loading */
+
+typedef struct {
+    char text[3072];
+    size_t used;
+} Tried;
+
+static void tried_add(Tried *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void tried_add(Tried *t, const char *fmt, ...) {
+    if (t->used >= sizeof t->text - 1) return;
+    if (t->used) {
+        int n = snprintf(t->text + t->used, sizeof t->text - t->used, "; ");
+        if (n < 0) return;
+        t->used = DDPC_MIN(t->used + (size_t)n, sizeof t->text - 1);
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(t->text + t->used, sizeof t->text - t->used, fmt, ap);
+    va_end(ap);
+    if (n > 0) t->used = DDPC_MIN(t->used + (size_t)n, sizeof t->text - 1);
+}
+
+/* Opens dir/libnccl.so.2 when it exists; records the outcome either way. */
+static void *try_dir(const char *dir, Tried *t) {
+    char path[PATH_MAX];
+    int n = snprintf(path, sizeof path, "%s/libnccl.so.2", dir);
+    if (n < 0 || (size_t)n >= sizeof path) {
+        tried_add(t, "%s (path too long)", dir);
+        return NULL;
+    }
+    if (access(path, F_OK) != 0) {
+        tried_add(t, "%s (no libnccl.so.2 there)", dir);
+        return NULL;
+    }
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h) tried_add(t, "%s (%s)", path, dlerror());
+    return h;
+}
+
+/* Finds libnccl.so.2: DDPC_NCCL_PATH, then the copy already in this process (torch's, so there is
+ * one NCCL per process), then DDPC_NCCL_SEARCH_PATH (set by the Python layer from sys.path), the
+ * nvidia-nccl wheel beside ddpc, the CUDA toolkit, and last the system loader. */
+static ddpc_status nccl_open(void **out) {
+    Tried t = {.used = 0};
+    t.text[0] = '\0';
+    void *h = NULL;
+    *out = NULL;
+    const char *env = getenv("DDPC_NCCL_PATH");
+    if (env && env[0]) {
+        char path[PATH_MAX];
+        struct stat sb;
+        int dir = stat(env, &sb) == 0 && S_ISDIR(sb.st_mode);
+        int n = snprintf(path, sizeof path, dir ? "%s/libnccl.so.2" : "%s", env);
+        if (n < 0 || (size_t)n >= sizeof path)
+            return ddpc_error(DDPC_ERR_INVALID, "DDPC_NCCL_PATH is too long (%zu characters)",
+                              strlen(env));
+        h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+        if (!h)
+            return ddpc_error(DDPC_ERR_UNAVAILABLE,
+                              "DDPC_NCCL_PATH=%s: cannot load %s: %s. Point it at libnccl.so.2 "
+                              "(or the folder holding it), or unset it to search the usual places",
+                              env, path, dlerror());
+        *out = h;
+        return DDPC_OK;
+    }
+    tried_add(&t, "DDPC_NCCL_PATH (unset)");
+    h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    if (h) goto found;
+    tried_add(&t, "this process (no NCCL loaded yet)");
+
+    const char *search = getenv("DDPC_NCCL_SEARCH_PATH");
+    if (search && search[0]) {
+        char *copy = strdup(search);
+        if (!copy) return ddpc_error(DDPC_ERR_NOMEM, "out of host memory reading DDPC_NCCL_SEARCH_PATH");
+        char *save = NULL;
+        for (char *dir = strtok_r(copy, ":", &save); dir && !h; dir = strtok_r(NULL, ":", &save))
+            h = try_dir(dir, &t);
+        free(copy);
+        if (h) goto found;
+    } else {
+        tried_add(&t, "DDPC_NCCL_SEARCH_PATH (unset)");
+    }
+
+    /* This extension is <site-packages>/ddpc/_C.so when installed; the wheels sit beside it. */
+    Dl_info self;
+    if (dladdr((void *)&ddpc_nccl_load, &self) && self.dli_fname) {
+        char site[PATH_MAX];
+        snprintf(site, sizeof site, "%s", self.dli_fname);
+        for (int up = 0; up < 2; up++) {
+            char *slash = strrchr(site, '/');
+            if (slash) *slash = '\0';
+        }
+        static const char *const k_wheel_dirs[] = {"nvidia/nccl/lib", "nvidia/cu13/lib",
+                                                   "nvidia/cu12/lib"};
+        for (size_t i = 0; i < sizeof k_wheel_dirs / sizeof *k_wheel_dirs && !h; i++) {
+            char dir[PATH_MAX];
+            int n = snprintf(dir, sizeof dir, "%s/%s", site[0] ? site : ".", k_wheel_dirs[i]);
+            if (n > 0 && (size_t)n < sizeof dir) h = try_dir(dir, &t);
+        }
+        if (h) goto found;
+    }
+
+    const char *roots[] = {getenv("CUDA_HOME"), getenv("CUDA_PATH"), "/usr/local/cuda"};
+    for (size_t i = 0; i < sizeof roots / sizeof *roots && !h; i++) {
+        if (!roots[i] || !roots[i][0]) continue;
+        char dir[PATH_MAX];
+        int n = snprintf(dir, sizeof dir, "%s/lib64", roots[i]);
+        if (n > 0 && (size_t)n < sizeof dir) h = try_dir(dir, &t);
+    }
+    if (h) goto found;
+
+    h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
+    if (h) goto found;
+    tried_add(&t, "the system loader (%s)", dlerror());
+    return ddpc_error(DDPC_ERR_UNAVAILABLE,
+                      "NCCL (libnccl.so.2) was not found. Looked in: %s. Install it with `pip "
+                      "install nvidia-nccl-cu13` (or -cu12, matching your CUDA), or set "
+                      "DDPC_NCCL_PATH to the file; the cpu backend needs no NCCL",
+                      t.text);
+found:
+    *out = h;
+    return DDPC_OK;
+}
+
+ddpc_status ddpc_nccl_load(char *version, size_t version_len) {
+    ddpc_status st = DDPC_OK;
+    void *h = NULL;
+    pthread_mutex_lock(&g_load_mu);
+    if (g_api_ready) goto done;
+    NcclApi api;
+    memset(&api, 0, sizeof api);
+    DDPC_CHECK_GOTO(nccl_open(&h), st, done);
+    char where[PATH_MAX] = "libnccl.so.2";
+    char missing[512] = "";
+    size_t used = 0;
+    for (size_t i = 0; i < sizeof k_nccl_syms / sizeof *k_nccl_syms; i++) {
+        void *sym = dlsym(h, k_nccl_syms[i].name);
+        if (!sym) {
+            int n = snprintf(missing + used, sizeof missing - used, "%s%s", used ? ", " : "",
+                             k_nccl_syms[i].name);
+            if (n > 0) used = DDPC_MIN(used + (size_t)n, sizeof missing - 1);
+            continue;
+        }
+        /* dlsym hands out a data pointer; POSIX guarantees it converts to the function. */
+        memcpy((char *)&api + k_nccl_syms[i].offset, &sym, sizeof sym);
+    }
+    Dl_info info;
+    if (api.GetVersion && dladdr((void *)api.GetVersion, &info) && info.dli_fname)
+        snprintf(where, sizeof where, "%s", info.dli_fname);
+    if (used) {
+        st = ddpc_error(DDPC_ERR_UNAVAILABLE,
+                        "the NCCL at %s lacks %s: it is older than 2.14, which ddpc needs. "
+                        "Install a newer one (`pip install nvidia-nccl-cu13`) or set "
+                        "DDPC_NCCL_PATH to it",
+                        where, missing);
+        goto fail;
+    }
+    int code = 0;
+    ncclResult_t r = api.GetVersion(&code);
+    if (r != ncclSuccess) {
+        st = ddpc_error(DDPC_ERR_NCCL, "ncclGetVersion of %s failed with code %d", where, r);
+        goto fail;
+    }
+    /* NCCL_VERSION_CODE: major*1000+minor*100+patch up to 2.8, major*10000+minor*100+patch after. */
+    int major = code >= 10000 ? code / 10000 : code / 1000;
+    int minor = code >= 10000 ? code % 10000 / 100 : code % 1000 / 100;
+    int patch = code % 100;
+    if (code < NCCL_MIN_VERSION) {
+        st = ddpc_error(DDPC_ERR_UNAVAILABLE,
+                        "the NCCL at %s is version %d.%d.%d; ddpc needs 2.14 or newer. Install "
+                        "one (`pip install nvidia-nccl-cu13`) and set DDPC_NCCL_PATH to it",
+                        where, major, minor, patch);
+        goto fail;
+    }
+    snprintf(g_version, sizeof g_version, "%d.%d.%d", major, minor, patch);
+    snprintf(g_path, sizeof g_path, "%s", where);
+    g_api = api;
+    g_api_ready = 1;
+    DDPC_INFO("NCCL", "loaded NCCL %s from %s", g_version, g_path);
+    goto done;
+fail:
+    dlclose(h);
+done:
+    if (st == DDPC_OK && version && version_len) snprintf(version, version_len, "%s", g_version);
+    pthread_mutex_unlock(&g_load_mu);
+    return st;
+}
+
+#ifdef DDPC_WITH_CUDA
+
+/* ---------------------------------------------------------------- error reporting */
+
+/* Describes a failed NCCL call once, with NCCL's own explanation of the last error. */
+static ddpc_status nccl_fail(ncclResult_t r, const char *call, const char *file, int line) {
+    const char *last = g_api.GetLastError(NULL);
+    return ddpc_error(DDPC_ERR_NCCL, "%s failed: %s (NCCL code %d)%s%s; run with NCCL_DEBUG=INFO "
+                      "for NCCL's own log (%s:%d)",
+                      call, g_api.GetErrorString(r), r, last && last[0] ? "; NCCL says: " : "",
+                      last ? last : "", file, line);
+}
+
+#define NCCLCHECK(name, call)                                                    \
+    do {                                                                         \
+        ncclResult_t nr_ = (call);                                               \
+        if (nr_ != ncclSuccess && nr_ != ncclInProgress)                         \
+            return nccl_fail(nr_, (name), __FILE__, __LINE__);                   \
+    } while (0)
+
+/* ncclInProgress is not a failure: the nonblocking communicator finishes the call later. */
+#define NCCLCHECK_GOTO(name, call, res, st, label)                               \
+    do {                                                                         \
+        (res) = (call);                                                          \
+        if ((res) != ncclSuccess && (res) != ncclInProgress) {                   \
+            (st) = nccl_fail((res), (name), __FILE__, __LINE__);                 \
+            goto label;                                                          \
+        }                                                                        \
+    } while (0)
+
+/* Teardown cannot report to a caller: a failure there is logged (DDPC_DEBUG=INFO). */
+#define CUDA_LOG(call)                                                                         \
+    do {                                                                                       \
+        cudaError_t e_ = (call);                                                               \
+        if (e_ != cudaSuccess)                                                                 \
+            DDPC_INFO("NCCL", "%s failed: %s (%s:%d)", #call, cudaGetErrorString(e_), __FILE__, \
+                      __LINE__);                                                               \
+    } while (0)
+
+/* ---------------------------------------------------------------- backend state */
+
+#define POLL_MIN_US 20
+#define POLL_MAX_US 1000
+/* How often the watchdog (or an initializing rank) asks the store whether a peer died or aborted:
+ * each question is a round trip to rank 0, so not on every poll. */
+#define STORE_CHECK_MS 500
+/* A clean shutdown waits this long at most for NCCL to finalize before aborting instead. */
+#define FINALIZE_MAX_MS 10000
+
+typedef struct NcclWorkData {
+    cudaEvent_t done;   /* recorded on the communication stream after the collective */
+    atomic_int enqueued;/* 1 once `done` is recorded: only then may the watchdog query it */
+} NcclWorkData;
+
+typedef struct NcclImpl {
+    DdpcGroup *g;
+    int device;
+    pthread_mutex_t comm_mu; /* serializes calls on comm with its abort; never held with mu */
+    ncclComm_t comm;         /* NULL once aborted */
+    cudaStream_t stream;     /* the communication stream */
+    cudaEvent_t ready;       /* marks the caller's stream position at each post (posts are
+                              * serialized by g->mu, and a wait captures the event when issued) */
+    int *scratch;            /* one int of device memory: what a barrier reduces */
+    pthread_mutex_t mu;      /* guards the queue, the event pool, stop and abort_requested */
+    pthread_cond_t cv;
+    DdpcWork *head, *tail;   /* in flight, in posting order; only the watchdog removes */
+    cudaEvent_t *pool;
+    int npool, pool_cap;
+    int stop;
+    int abort_requested;
+    pthread_t watchdog;
+    int watchdog_started;
+} NcclImpl;
+
+static void sleep_us(unsigned us) {
+    struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)us * 1000L};
+    nanosleep(&ts, NULL);
+}
+
+static const ncclDataType_t k_nccl_dtype[DDPC_NUM_DTYPES] = {
+    [DDPC_FLOAT32] = ncclFloat32, [DDPC_FLOAT64] = ncclFloat64, [DDPC_FLOAT16] = ncclFloat16,
+    [DDPC_BFLOAT16] = ncclBfloat16, [DDPC_INT32] = ncclInt32, [DDPC_INT64] = ncclInt64,
+    [DDPC_UINT8] = ncclUint8, [DDPC_INT8] = ncclInt8,
+};
+
+static const ncclRedOp_t k_nccl_redop[DDPC_NUM_REDOPS] = {
+    [DDPC_SUM] = ncclSum, [DDPC_AVG] = ncclAvg, [DDPC_MIN] = ncclMin, [DDPC_MAX] = ncclMax,
+    [DDPC_PROD] = ncclProd,
+};
+
+/* "all_reduce #7 (1024 x float32, avg)": how every message names a collective. */
+static void describe_work(const DdpcWork *w, char *buf, size_t len) {
+    const DdpcCollArgs *a = &w->args;
+    const char *name = ddpc_coll_name(a->op);
+    unsigned long long seq = (unsigned long long)w->seq;
+    switch (a->op) {
+    case DDPC_COLL_BARRIER: snprintf(buf, len, "barrier #%llu", seq); break;
+    case DDPC_COLL_BROADCAST:
+        snprintf(buf, len, "broadcast #%llu (%zu x %s from rank %d)", seq, a->count,
+                 ddpc_dtype_name(a->dtype), a->root);
+        break;
+    case DDPC_COLL_ALLGATHER:
+        snprintf(buf, len, "all_gather #%llu (%zu x %s per rank)", seq, a->count,
+                 ddpc_dtype_name(a->dtype));
+        break;
+    default:
+        snprintf(buf, len, "%s #%llu (%zu x %s, %s)", name, seq, a->count,
+                 ddpc_dtype_name(a->dtype), ddpc_redop_name(a->redop));
+        break;
+    }
+}
+
+/* The group's abort reason, once the aborting thread has finished writing it. */
+static void settled_abort(DdpcGroup *g, ddpc_status *st, const char **msg) {
+    while (atomic_load(&g->aborted) == 2) sched_yield();
+    if (atomic_load(&g->aborted) == 1) {
+        *st = g->abort_status;
+        *msg = g->abort_msg;
+    } else {
+        *st = DDPC_ERR_PEER;
+        *msg = "the NCCL communicator was aborted";
+    }
+}
+
+/* Marks the group failed (peers learn it through the store) and has the watchdog abort the
+ * communicator. The message is copied first: publishing it may overwrite this thread's. */
+static void request_abort(NcclImpl *im, ddpc_status st, const char *why) {
+    char msg[2048];
+    snprintf(msg, sizeof msg, "%s", why);
+    ddpc_group_abort(im->g, st, msg);
+    pthread_mutex_lock(&im->mu);
+    im->abort_requested = 1;
+    pthread_cond_signal(&im->cv);
+    pthread_mutex_unlock(&im->mu);
+    ddpc_error(st, "%s", msg);
+}
+
+/* Completes every work of the list with st; a work whose own failure the message already
+ * describes gets it unchanged, the others are told they were cancelled by it. */
+static void complete_list(NcclImpl *im, DdpcWork *list, ddpc_status st, const char *msg) {
+    while (list) {
+        DdpcWork *w = list;
+        list = w->next;
+        w->next = NULL;
+        char what[160];
+        describe_work(w, what, sizeof what);
+        if (!strncmp(msg, what, strlen(what)))
+            ddpc_error(st, "%s", msg);
+        else
+            ddpc_error(st, "%s on rank %d was cancelled: %s", what, im->g->rank, msg);
+        ddpc_work_complete(w, st);
+        ddpc_work_release(w);
+    }
+}
+
+/* ---------------------------------------------------------------- event pool */
+
+static ddpc_status pool_get(NcclImpl *im, cudaEvent_t *ev) {
+    pthread_mutex_lock(&im->mu);
+    if (im->npool > 0) {
+        *ev = im->pool[--im->npool];
+        pthread_mutex_unlock(&im->mu);
+        return DDPC_OK;
+    }
+    pthread_mutex_unlock(&im->mu);
+    /* No timing: the event only orders streams and tells the watchdog when a collective ended. */
+    DDPC_CUDACHECK(cudaEventCreateWithFlags(ev, cudaEventDisableTiming));
+    return DDPC_OK;
+}
+
+static void pool_put(NcclImpl *im, cudaEvent_t ev) {
+    pthread_mutex_lock(&im->mu);
+    if (im->npool == im->pool_cap) {
+        int cap = im->pool_cap ? 2 * im->pool_cap : 16;
+        cudaEvent_t *p = realloc(im->pool, (size_t)cap * sizeof *p);
+        if (!p) {
+            pthread_mutex_unlock(&im->mu);
+            CUDA_LOG(cudaEventDestroy(ev));
+            return;
+        }
+        im->pool = p;
+        im->pool_cap = cap;
+    }
+    im->pool[im->npool++] = ev;
+    pthread_mutex_unlock(&im->mu);
+}
+
+/* ---------------------------------------------------------------- watchdog */
+
+/* Takes the communicator away from every other thread and aborts it, then fails everything in
+ * flight with the group's abort reason. Runs on the watchdog thread only. */
+static void abort_all(NcclImpl *im) {
+    ddpc_status st;
+    const char *msg;
+    settled_abort(im->g, &st, &msg);
+    pthread_mutex_lock(&im->comm_mu);
+    ncclComm_t comm = im->comm;
+    im->comm = NULL;
+    if (comm) {
+        /* Sets NCCL's abort flag, which also stops kernels spinning on a dead peer. */
+        ncclResult_t r = g_api.CommAbort(comm);
+        if (r != ncclSuccess && r != ncclInProgress)
+            DDPC_INFO("NCCL", "ncclCommAbort failed: %s", g_api.GetErrorString(r));
+        DDPC_INFO("NCCL", "rank %d aborted its communicator: %s", im->g->rank, msg);
+    }
+    pthread_mutex_unlock(&im->comm_mu);
+    pthread_mutex_lock(&im->mu);
+    DdpcWork *list = im->head;
+    im->head = im->tail = NULL;
+    im->abort_requested = 0;
+    pthread_mutex_unlock(&im->mu);
+    complete_list(im, list, st, msg);
+}
+
+/* Completes the works whose done event has been reached, in order. Returns how many, or -1
+ * when the device failed (the abort is requested). */
+static int reap(NcclImpl *im) {
+    int n = 0;
+    for (;;) {
+        pthread_mutex_lock(&im->mu);
+        DdpcWork *w = im->head;
+        NcclWorkData *wd = w ? w->backend_data : NULL;
+        int ready = wd && atomic_load(&wd->enqueued);
+        pthread_mutex_unlock(&im->mu);
+        if (!ready) break;
+        cudaError_t e = cudaEventQuery(wd->done);
+        if (e == cudaErrorNotReady) break;
+        if (e != cudaSuccess) {
+            char what[160], msg[1024];
+            describe_work(w, what, sizeof what);
+            snprintf(msg, sizeof msg,
+                     "%s on rank %d (cuda:%d): the device reported %s (%s) while it ran; a "
+                     "kernel on this device faulted and the CUDA context is unusable: restart "
+                     "the process (CUDA_LAUNCH_BLOCKING=1 finds the kernel)",
+                     what, im->g->rank, im->device, cudaGetErrorName(e), cudaGetErrorString(e));
+            request_abort(im, DDPC_ERR_CUDA, msg);
+            return -1;
+        }
+        pthread_mutex_lock(&im->mu);
+        im->head = w->next;
+        if (!im->head) im->tail = NULL;
+        w->next = NULL;
+        pthread_mutex_unlock(&im->mu);
+        ddpc_work_complete(w, DDPC_OK);
+        ddpc_work_release(w);
+        n++;
+    }
+    return n;
+}
+
+/* Is the oldest work in flight still `seq`, after one more look at the device? Guards against
+ * failing a collective that finished while we were deciding. */
+static int still_waiting_on(NcclImpl *im, uint64_t seq) {
+    if (reap(im) < 0) return 0;
+    pthread_mutex_lock(&im->mu);
+    int same = im->head && im->head->seq == seq;
+    pthread_mutex_unlock(&im->mu);
+    return same;
+}
+
+/* Appends to buf why peers are gone: ranks the store saw die, or the store itself (it lives in
+ * rank 0's process). Returns how many reasons it found. */
+static int describe_dead_peers(DdpcGroup *g, char *buf, size_t len) {
+    char key[256];
+    const char *keys[1] = {key};
+    int present = 0, found = 0;
+    size_t used = strlen(buf);
+    ddpc_group_key(g, key, sizeof key, "abort");
+    ddpc_status st = ddpc_store_check(g->store, keys, 1, &present);
+    if (st != DDPC_OK && st != DDPC_ERR_TIMEOUT && st != DDPC_ERR_INTERRUPTED) {
+        snprintf(buf + used, len - used, "; the rendezvous store on rank 0 stopped answering "
+                 "(%.600s), so rank 0 has most likely exited", ddpc_last_error());
+        return 1;
+    }
+    for (int r = 0; r < g->world && used < len; r++) {
+        if (r == g->rank || !ddpc_group_rank_dead(g, r)) continue;
+        int n = snprintf(buf + used, len - used, "; rank %d exited (its store connection "
+                         "dropped)", r);
+        if (n < 0) break;
+        used = DDPC_MIN(used + (size_t)n, len - 1);
+        found++;
+    }
+    return found;
+}
+
+/* What the watchdog remembers between polls about the oldest work in flight. */
+typedef struct {
+    uint64_t seq;            /* the oldest work's sequence number */
+    int64_t since_ms;        /* when it became the oldest */
+    int64_t next_store_ms;   /* when the store may be asked again */
+} HeadWatch;
+
+/* Looks for reasons the oldest work will never finish: an NCCL error, its deadline, a peer that
+ * died or aborted. On one, requests the abort. */
+static void check_health(NcclImpl *im, HeadWatch *hw) {
+    DdpcGroup *g = im->g;
+    pthread_mutex_lock(&im->mu);
+    /* Only this thread removes works, so the head stays valid after unlocking. */
+    DdpcWork *w = im->head;
+    pthread_mutex_unlock(&im->mu);
+    if (!w) return;
+    int64_t now = ddpc_now_ms();
+    if (w->seq != hw->seq) {
+        hw->seq = w->seq;
+        hw->since_ms = now;
+    }
+    char what[160], msg[2048];
+    describe_work(w, what, sizeof what);
+
+    ncclResult_t state = ncclSuccess, r = ncclSuccess;
+    /* A post holds comm_mu while it enqueues; rather than wait behind it, look next round. */
+    if (pthread_mutex_trylock(&im->comm_mu) == 0) {
+        if (im->comm) r = g_api.CommGetAsyncError(im->comm, &state);
+        pthread_mutex_unlock(&im->comm_mu);
+    }
+    if (r != ncclSuccess) state = r;
+    if (state != ncclSuccess && state != ncclInProgress) {
+        const char *last = g_api.GetLastError(NULL);
+        snprintf(msg, sizeof msg, "%s on rank %d (cuda:%d): NCCL reported an error: %s (NCCL "
+                 "code %d)%s%.400s", what, g->rank, im->device, g_api.GetErrorString(state), state,
+                 last && last[0] ? "; NCCL says: " : "", last ? last : "");
+        /* NCCL often notices a dead peer first; the store says which rank it was. */
+        int dead = describe_dead_peers(g, msg, sizeof msg);
+        size_t used = strlen(msg);
+        snprintf(msg + used, sizeof msg - used, ". The communicator was aborted and this process "
+                 "group can no longer be used; run with NCCL_DEBUG=INFO for NCCL's own log");
+        request_abort(im, dead ? DDPC_ERR_PEER : DDPC_ERR_NCCL, msg);
+        return;
+    }
+
+    if (now >= w->deadline_ms) {
+        if (!still_waiting_on(im, w->seq)) return;
+        char missing[1024];
+        ddpc_group_describe_missing(g, w->seq, missing, sizeof missing);
+        snprintf(msg, sizeof msg,
+                 "%s did not finish within %.1f s on rank %d (nccl, cuda:%d): %s. The NCCL "
+                 "communicator was aborted and this process group can no longer be used; make "
+                 "every rank call the same collectives in the same order, or raise the timeout",
+                 what, (double)g->timeout_ms / 1000.0, g->rank, im->device, missing);
+        request_abort(im, DDPC_ERR_TIMEOUT, msg);
+        return;
+    }
+
+    /* Healthy collectives finish in milliseconds; only one that lingers makes the watchdog ask
+     * the store (a round trip to rank 0) about the peers, and then at a modest rate. */
+    if (now - hw->since_ms < STORE_CHECK_MS || now < hw->next_store_ms) return;
+    hw->next_store_ms = now + STORE_CHECK_MS;
+    /* A peer's published abort: check_abort calls our abort hook, the loop does the rest. */
+    if (ddpc_group_check_abort(g) != DDPC_OK) return;
+    char gone[1024] = "";
+    if (!describe_dead_peers(g, gone, sizeof gone) || !still_waiting_on(im, w->seq)) return;
+    snprintf(msg, sizeof msg,
+             "%s cannot finish on rank %d (nccl, cuda:%d)%s. The NCCL communicator was aborted and "
+             "this process group can no longer be used; look at that rank's output for why it "
+             "stopped",
+             what, g->rank, im->device, gone);
+    request_abort(im, DDPC_ERR_PEER, msg);
+}
+
+static void *watchdog_main(void *arg) {
+    NcclImpl *im = arg;
+    cudaError_t e = cudaSetDevice(im->device);
+    if (e != cudaSuccess) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "the NCCL watchdog of rank %d could not bind cuda:%d: %s (%s)",
+                 im->g->rank, im->device, cudaGetErrorName(e), cudaGetErrorString(e));
+        request_abort(im, DDPC_ERR_CUDA, msg);
+    }
+    HeadWatch hw = {.seq = 0, .since_ms = 0, .next_store_ms = 0};
+    unsigned us = POLL_MIN_US;
+    for (;;) {
+        pthread_mutex_lock(&im->mu);
+        while (!im->stop && !im->abort_requested && !im->head)
+            pthread_cond_wait(&im->cv, &im->mu);
+        int stop = im->stop, abort_req = im->abort_requested;
+        pthread_mutex_unlock(&im->mu);
+        if (stop) break;
+        if (abort_req) {
+            abort_all(im);
+            continue;
+        }
+        if (reap(im)) {
+            us = POLL_MIN_US;
+            continue;
+        }
+        check_health(im, &hw);
+        /* Back off while a long collective runs; restart fast after each completion, so a host
+         * wait returns soon after the device finishes. */
+        sleep_us(us);
+        us = DDPC_MIN(us * 2, POLL_MAX_US);
+    }
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- backend operations */
+
+static void nccl_abort_hook(DdpcGroup *g) {
+    NcclImpl *im = g->impl;
+    if (!im) return; /* still initializing: nccl_init sees the abort itself */
+    pthread_mutex_lock(&im->mu);
+    im->abort_requested = 1;
+    pthread_cond_signal(&im->cv);
+    pthread_mutex_unlock(&im->mu);
+}
+
+/* Lists the ranks that never reached NCCL initialization, or says that all did. */
+static void describe_init_missing(DdpcGroup *g, char *buf, size_t len) {
+    size_t used = 0;
+    buf[0] = '\0';
+    for (int r = 0; r < g->world; r++) {
+        if (r == g->rank) continue;
+        char key[256];
+        const char *keys[1] = {key};
+        int present = 0;
+        const char *what = NULL;
+        ddpc_group_key(g, key, sizeof key, "nccl/join/%d", r);
+        if (ddpc_group_rank_dead(g, r))
+            what = "exited (its store connection dropped)";
+        else if (ddpc_store_check(g->store, keys, 1, &present) == DDPC_OK && !present)
+            what = "never reached NCCL initialization";
+        if (!what) continue;
+        int n = snprintf(buf + used, len - used, "%srank %d %s", used ? "; " : "", r, what);
+        if (n < 0 || (size_t)n >= len - used) break;
+        used += (size_t)n;
+    }
+    if (!used)
+        snprintf(buf, len, "every rank reached NCCL initialization, so NCCL's own setup stalled "
+                 "(with several network interfaces, set NCCL_SOCKET_IFNAME; NCCL_DEBUG=INFO "
+                 "shows where)");
+}
+
+/* Between slices of an initialization wait: Ctrl-C, a peer's abort, a dead peer, the deadline. */
+static ddpc_status init_check(DdpcGroup *g, int64_t deadline, int64_t *next_store_check,
+                              const char *step) {
+    DDPC_CHECK(ddpc_check_interrupt());
+    int64_t now = ddpc_now_ms();
+    if (now >= deadline) {
+        char missing[1024];
+        describe_init_missing(g, missing, sizeof missing);
+        return ddpc_error(DDPC_ERR_TIMEOUT,
+                          "NCCL initialization of rank %d (cuda:%d) did not finish within %.1f s "
+                          "while %s: %s",
+                          g->rank, g->cuda_device, (double)g->timeout_ms / 1000.0, step, missing);
+    }
+    if (now < *next_store_check) return DDPC_OK;
+    *next_store_check = now + STORE_CHECK_MS;
+    DDPC_CHECK(ddpc_group_check_abort(g));
+    for (int r = 0; r < g->world; r++)
+        if (r != g->rank && ddpc_group_rank_dead(g, r))
+            return ddpc_error(DDPC_ERR_PEER,
+                              "rank %d exited (its store connection dropped) while rank %d was "
+                              "%s; look at rank %d's output for why it stopped",
+                              r, g->rank, step, r);
+    return DDPC_OK;
+}
+
+/* Rank 0 makes the NCCL id and publishes it; the others wait for it. Then every rank says it
+ * joined, so a timeout can name the ranks that never came. */
+static ddpc_status exchange_id(DdpcGroup *g, int64_t deadline, ncclUniqueId *id) {
+    char key[256];
+    ddpc_group_key(g, key, sizeof key, "nccl/id");
+    if (g->rank == 0) {
+        NCCLCHECK("ncclGetUniqueId", g_api.GetUniqueId(id));
+        DDPC_CHECK(ddpc_store_set(g->store, key, id, sizeof *id));
+    } else {
+        int64_t next_store_check = 0;
+        for (;;) {
+            void *val = NULL;
+            size_t len = 0;
+            /* At least 1 ms: a zero wait would make the store answer "not found". */
+            int64_t slice = DDPC_MAX(ddpc_slice(deadline, DDPC_SLICE_MS), 1);
+            ddpc_status st = ddpc_store_get(g->store, key, slice, &val, &len);
+            if (st == DDPC_OK) {
+                if (len != sizeof *id) {
+                    free(val);
+                    return ddpc_error(DDPC_ERR_PROTOCOL,
+                                      "the NCCL id published by rank 0 under %s has %zu bytes, "
+                                      "not %zu: another job shares this store prefix",
+                                      key, len, sizeof *id);
+                }
+                memcpy(id, val, sizeof *id);
+                free(val);
+                break;
+            }
+            if (st != DDPC_ERR_TIMEOUT && st != DDPC_ERR_NOTFOUND) return st;
+            DDPC_CHECK(init_check(g, deadline, &next_store_check, "waiting for rank 0's NCCL id"));
+        }
+    }
+    ddpc_group_key(g, key, sizeof key, "nccl/join/%d", g->rank);
+    DDPC_CHECK(ddpc_store_set(g->store, key, "1", 1));
+    return DDPC_OK;
+}
+
+/* Waits, in slices, for a nonblocking NCCL call to leave ncclInProgress. */
+static ddpc_status init_wait_comm(DdpcGroup *g, ncclComm_t comm, int64_t deadline) {
+    int64_t next_store_check = 0;
+    unsigned us = POLL_MIN_US;
+    for (;;) {
+        ncclResult_t state = ncclInProgress;
+        NCCLCHECK("ncclCommGetAsyncError", g_api.CommGetAsyncError(comm, &state));
+        if (state == ncclSuccess) return DDPC_OK;
+        if (state != ncclInProgress)
+            return nccl_fail(state, "ncclCommInitRankConfig", __FILE__, __LINE__);
+        DDPC_CHECK(init_check(g, deadline, &next_store_check, "creating the NCCL communicator"));
+        sleep_us(us);
+        us = DDPC_MIN(us * 2, POLL_MAX_US);
+    }
+}
+
+static void impl_free(NcclImpl *im) {
+    for (int i = 0; i < im->npool; i++) CUDA_LOG(cudaEventDestroy(im->pool[i]));
+    free(im->pool);
+    if (im->scratch) CUDA_LOG(cudaFree(im->scratch));
+    if (im->ready) CUDA_LOG(cudaEventDestroy(im->ready));
+    if (im->stream) CUDA_LOG(cudaStreamDestroy(im->stream));
+    pthread_cond_destroy(&im->cv);
+    pthread_mutex_destroy(&im->mu);
+    pthread_mutex_destroy(&im->comm_mu);
+    free(im);
+}
+
+static ddpc_status nccl_init(DdpcGroup *g) {
+    ddpc_status st = DDPC_OK;
+    ncclResult_t r = ncclSuccess;
+    int64_t deadline = ddpc_deadline(g->timeout_ms);
+    char version[32];
+    NcclImpl *im = NULL;
+    DDPC_CHECK_GOTO(ddpc_nccl_load(version, sizeof version), st, fail);
+    if (g->cuda_device < 0) {
+        st = ddpc_error(DDPC_ERR_INVALID,
+                        "the nccl backend needs the CUDA device this rank uses (device=, usually "
+                        "LOCAL_RANK); got %d",
+                        g->cuda_device);
+        goto fail;
+    }
+    DDPC_CHECK_GOTO(ddpc_cuda_set_device(g->cuda_device), st, fail);
+    im = calloc(1, sizeof *im);
+    if (!im) {
+        st = ddpc_error(DDPC_ERR_NOMEM, "out of host memory creating an NCCL group");
+        goto fail;
+    }
+    im->g = g;
+    im->device = g->cuda_device;
+    pthread_mutex_init(&im->comm_mu, NULL);
+    pthread_mutex_init(&im->mu, NULL);
+    pthread_cond_init(&im->cv, NULL);
+
+    int least = 0, greatest = 0;
+    DDPC_CUDACHECK_GOTO(cudaDeviceGetStreamPriorityRange(&least, &greatest), st, fail);
+    /* High priority so gradient buckets start as soon as they are ready, ahead of queued
+     * compute; non-blocking so the legacy default stream does not serialize with it. */
+    DDPC_CUDACHECK_GOTO(cudaStreamCreateWithPriority(&im->stream, cudaStreamNonBlocking, greatest),
+                        st, fail);
+    DDPC_CUDACHECK_GOTO(cudaEventCreateWithFlags(&im->ready, cudaEventDisableTiming), st, fail);
+    DDPC_CUDACHECK_GOTO(cudaMalloc((void **)&im->scratch, sizeof(int)), st, fail);
+    DDPC_CUDACHECK_GOTO(cudaMemset(im->scratch, 0, sizeof(int)), st, fail);
+
+    ncclUniqueId id;
+    DDPC_CHECK_GOTO(exchange_id(g, deadline, &id), st, fail);
+    /* Nonblocking: NCCL returns at once and works in the background, so every wait below runs
+     * in slices that watch the deadline, Ctrl-C and the peers. */
+    NcclConfig config = {
+        .size = sizeof config, .magic = NCCL_CONFIG_MAGIC, .version = NCCL_MIN_VERSION,
+        .blocking = 0, .cgaClusterSize = NCCL_CONFIG_UNDEF_INT,
+    };
+    NCCLCHECK_GOTO("ncclCommInitRankConfig",
+                   g_api.CommInitRankConfig(&im->comm, g->world, id, g->rank, &config), r, st,
+                   fail);
+    if (!im->comm) {
+        st = ddpc_error(DDPC_ERR_NCCL, "ncclCommInitRankConfig returned no communicator");
+        goto fail;
+    }
+    DDPC_CHECK_GOTO(init_wait_comm(g, im->comm, deadline), st, fail);
+
+    int rc = pthread_create(&im->watchdog, NULL, watchdog_main, im);
+    if (rc != 0) {
+        st = ddpc_error(DDPC_ERR_SYSTEM, "starting the NCCL watchdog thread failed: %s",
+                        strerror(rc));
+        goto fail;
+    }
+    im->watchdog_started = 1;
+    g->impl = im;
+    snprintf(g->transport, sizeof g->transport, "nccl");
+    DDPC_INFO("NCCL", "rank %d/%d ready on cuda:%d with NCCL %s", g->rank, g->world, im->device,
+              version);
+    return DDPC_OK;
+
+fail:
+    if (im) {
+        if (im->comm) {
+            r = g_api.CommAbort(im->comm);
+            if (r != ncclSuccess && r != ncclInProgress)
+                DDPC_INFO("NCCL", "ncclCommAbort after a failed init failed: %s",
+                          g_api.GetErrorString(r));
+        }
+        impl_free(im);
+    }
+    /* Tell the peers at once rather than let them wait out the timeout. The message is copied
+     * first: publishing it may overwrite this thread's. */
+    char msg[2048];
+    snprintf(msg, sizeof msg, "%s", ddpc_last_error());
+    ddpc_group_abort(g, st, msg);
+    ddpc_error(st, "%s", msg);
+    return st;
+}
+
+/* Issues the NCCL call of a posted collective on the communication stream. */
+static ncclResult_t issue(NcclImpl *im, const DdpcCollArgs *a, const char **name) {
+    void *s = (void *)im->stream;
+    if (a->op == DDPC_COLL_BARRIER) {
+        *name = "ncclAllReduce (barrier)";
+        return g_api.AllReduce(im->scratch, im->scratch, 1, ncclInt32, ncclSum, im->comm, s);
+    }
+    ncclDataType_t dt = k_nccl_dtype[a->dtype];
+    switch (a->op) {
+    case DDPC_COLL_ALLREDUCE:
+        *name = "ncclAllReduce";
+        return g_api.AllReduce(a->recv, a->recv, a->count, dt, k_nccl_redop[a->redop], im->comm, s);
+    case DDPC_COLL_BROADCAST:
+        *name = "ncclBroadcast";
+        return g_api.Broadcast(a->recv, a->recv, a->count, dt, a->root, im->comm, s);
+    case DDPC_COLL_ALLGATHER:
+        *name = "ncclAllGather";
+        return g_api.AllGather(a->send, a->recv, a->count, dt, im->comm, s);
+    case DDPC_COLL_REDUCE_SCATTER:
+        *name = "ncclReduceScatter";
+        return g_api.ReduceScatter(a->send, a->recv, a->count, dt, k_nccl_redop[a->redop],
+                                   im->comm, s);
+    default: break;
+    }
+    *name = "an unknown collective";
+    return ncclSuccess;
+}
+
+/* The error for a call that found the communicator already aborted. */
+static ddpc_status aborted_error(NcclImpl *im, const char *what) {
+    ddpc_status st;
+    const char *msg;
+    settled_abort(im->g, &st, &msg);
+    return ddpc_error(st, "%s on rank %d: the process group was aborted: %s", what, im->g->rank,
+                      msg);
+}
+
+/* The NCCL part of a post. The work is already in the queue; on any failure the group is
+ * aborted (a peer may already be inside this collective) and the watchdog completes the work. */
+static ddpc_status enqueue(NcclImpl *im, DdpcWork *w, const char *what) {
+    NcclWorkData *wd = w->backend_data;
+    const DdpcCollArgs *a = &w->args;
+    ddpc_status st = DDPC_OK;
+    ncclResult_t r = ncclSuccess, state = ncclSuccess;
+    const char *name = "";
+    /* Zero elements: nothing to move, and NCCL may reject the NULL buffers that come with it.
+     * Every rank sees the same count, so every rank skips. */
+    int call = a->op == DDPC_COLL_BARRIER || a->count > 0;
+    pthread_mutex_lock(&im->comm_mu);
+    if (!im->comm) {
+        pthread_mutex_unlock(&im->comm_mu);
+        return aborted_error(im, what);
+    }
+    if (call) r = issue(im, a, &name);
+    pthread_mutex_unlock(&im->comm_mu);
+    if (r != ncclSuccess && r != ncclInProgress) {
+        st = nccl_fail(r, name, __FILE__, __LINE__);
+        goto fail;
+    }
+    /* A nonblocking communicator may still be connecting to peers; the operation reaches the
+     * stream only once its state is ncclSuccess. The watchdog enforces the deadline meanwhile. */
+    for (unsigned us = POLL_MIN_US; r == ncclInProgress; us = DDPC_MIN(us * 2, POLL_MAX_US)) {
+        pthread_mutex_lock(&im->comm_mu);
+        if (!im->comm) {
+            pthread_mutex_unlock(&im->comm_mu);
+            return aborted_error(im, what);
+        }
+        ncclResult_t q = g_api.CommGetAsyncError(im->comm, &state);
+        pthread_mutex_unlock(&im->comm_mu);
+        if (q != ncclSuccess) state = q;
+        if (state == ncclSuccess) break;
+        if (state != ncclInProgress) {
+            st = nccl_fail(state, name, __FILE__, __LINE__);
+            goto fail;
+        }
+        DDPC_CHECK_GOTO(ddpc_check_interrupt(), st, fail);
+        sleep_us(us);
+    }
+    DDPC_CUDACHECK_GOTO(cudaEventRecord(wd->done, im->stream), st, fail);
+    atomic_store(&wd->enqueued, 1);
+    return DDPC_OK;
+fail:
+    ddpc_error_prefix(st, "%s on rank %d: ", what, im->g->rank);
+    request_abort(im, st, ddpc_last_error());
+    return st;
+}
+
+static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
+    NcclImpl *im = g->impl;
+    const DdpcCollArgs *a = &w->args;
+    ddpc_status st = DDPC_OK;
+    char what[160];
+    describe_work(w, what, sizeof what);
+    if (a->op != DDPC_COLL_BARRIER && a->count > 0 && a->device != im->device) {
+        char dev[32] = "host memory";
+        if (a->device >= 0) snprintf(dev, sizeof dev, "cuda:%d", a->device);
+        return ddpc_error(DDPC_ERR_INVALID,
+                          "%s: the nccl backend of rank %d works on cuda:%d memory, but the array "
+                          "is in %s: move it to cuda:%d (host arrays need the cpu backend)",
+                          what, g->rank, im->device, dev, im->device);
+    }
+    int prev = -1;
+    DDPC_CUDACHECK(cudaGetDevice(&prev));
+    if (prev != im->device) DDPC_CUDACHECK(cudaSetDevice(im->device));
+    NcclWorkData *wd = calloc(1, sizeof *wd);
+    if (!wd) {
+        st = ddpc_error(DDPC_ERR_NOMEM, "%s: out of host memory", what);
+        goto restore;
+    }
+    atomic_init(&wd->enqueued, 0);
+    DDPC_CHECK_GOTO(pool_get(im, &wd->done), st, fail_wd);
+    /* The communication stream waits for the caller's queued work (the event replaces a host
+     * sync); the event may be re-recorded by the next post, the wait has already captured it. */
+    DDPC_CUDACHECK_GOTO(cudaEventRecord(im->ready, (cudaStream_t)a->stream), st, fail_ev);
+    DDPC_CUDACHECK_GOTO(cudaStreamWaitEvent(im->stream, im->ready, 0), st, fail_ev);
+    w->backend_data = wd;
+    ddpc_work_retain(w);
+    pthread_mutex_lock(&im->mu);
+    w->next = NULL;
+    if (im->tail)
+        im->tail->next = w;
+    else
+        im->head = w;
+    im->tail = w;
+    pthread_cond_signal(&im->cv);
+    pthread_mutex_unlock(&im->mu);
+    st = enqueue(im, w, what);
+    goto restore;
+
+fail_ev:
+    ddpc_error_prefix(st, "%s on rank %d (the stream must belong to cuda:%d): ", what, g->rank,
+                      im->device);
+    pool_put(im, wd->done);
+fail_wd:
+    free(wd);
+restore:
+    if (prev != im->device) {
+        cudaError_t e = cudaSetDevice(prev);
+        if (e != cudaSuccess && st == DDPC_OK)
+            st = ddpc_error(DDPC_ERR_CUDA, "restoring the current device %d failed: %s", prev,
+                            cudaGetErrorString(e));
+    }
+    return st;
+}
+
+static ddpc_status nccl_wait_stream(DdpcWork *w, uintptr_t stream) {
+    if (atomic_load(&w->done) && w->status != DDPC_OK)
+        return ddpc_error(w->status, "%s", w->msg ? w->msg : "failed");
+    NcclWorkData *wd = w->backend_data;
+    if (!wd || !atomic_load(&wd->enqueued)) {
+        char what[160];
+        describe_work(w, what, sizeof what);
+        return ddpc_error(DDPC_ERR_INVALID, "%s was never enqueued, so no stream can wait for it",
+                          what);
+    }
+    /* The caller's stream resumes when the collective ends: no host sync. */
+    DDPC_CUDACHECK(cudaStreamWaitEvent((cudaStream_t)stream, wd->done, 0));
+    return DDPC_OK;
+}
+
+static void nccl_work_free(DdpcWork *w) {
+    NcclWorkData *wd = w->backend_data;
+    if (!wd) return;
+    NcclImpl *im = w->g->impl;
+    if (wd->done) {
+        if (im)
+            pool_put(im, wd->done);
+        else
+            CUDA_LOG(cudaEventDestroy(wd->done));
+    }
+    free(wd);
+    w->backend_data = NULL;
+}
+
+/* A clean shutdown: finalize (flushes NCCL's work and meets the local peers), then destroy.
+ * Falls back to an abort when that fails or takes too long (a peer that never shuts down). */
+static void close_comm(NcclImpl *im, ncclComm_t comm) {
+    ncclResult_t r = g_api.CommFinalize(comm), state = r;
+    int64_t deadline = ddpc_deadline(DDPC_MIN(im->g->timeout_ms, FINALIZE_MAX_MS));
+    unsigned us = POLL_MIN_US;
+    while (state == ncclInProgress && ddpc_now_ms() < deadline) {
+        sleep_us(us);
+        us = DDPC_MIN(us * 2, POLL_MAX_US);
+        ncclResult_t q = g_api.CommGetAsyncError(comm, &state);
+        if (q != ncclSuccess) state = q;
+    }
+    if (state == ncclSuccess) {
+        r = g_api.CommDestroy(comm);
+        if (r == ncclSuccess || r == ncclInProgress) return;
+    }
+    DDPC_INFO("NCCL", "rank %d: finalizing the communicator %s (%s); aborting it instead",
+              im->g->rank, state == ncclInProgress ? "timed out" : "failed",
+              g_api.GetErrorString(state == ncclInProgress ? state : r));
+    r = g_api.CommAbort(comm);
+    if (r != ncclSuccess && r != ncclInProgress)
+        DDPC_INFO("NCCL", "ncclCommAbort failed: %s", g_api.GetErrorString(r));
+}
+
+static void nccl_destroy(DdpcGroup *g) {
+    NcclImpl *im = g->impl;
+    if (!im) return;
+    if (im->watchdog_started) {
+        /* Let the collectives already queued on the GPU finish: a script often reads the result
+         * of its last all_reduce after leaving the group. The watchdog keeps enforcing their
+         * deadlines and watching the peers meanwhile, so this wait ends; the extra 30 s only
+         * guard against a watchdog stuck on an unresponsive store. */
+        pthread_mutex_lock(&im->mu);
+        int64_t hard = INT64_MAX;
+        if (im->tail && im->tail->deadline_ms < INT64_MAX - 30000)
+            hard = im->tail->deadline_ms + 30000;
+        while (im->head && ddpc_now_ms() < hard) {
+            pthread_mutex_unlock(&im->mu);
+            sleep_us(POLL_MAX_US);
+            pthread_mutex_lock(&im->mu);
+        }
+        im->stop = 1;
+        pthread_cond_signal(&im->cv);
+        pthread_mutex_unlock(&im->mu);
+        pthread_join(im->watchdog, NULL);
+    }
+    int device = im->device, prev = -1;
+    CUDA_LOG(cudaGetDevice(&prev));
+    if (prev != device) CUDA_LOG(cudaSetDevice(device));
+    pthread_mutex_lock(&im->mu);
+    DdpcWork *list = im->head;
+    im->head = im->tail = NULL;
+    pthread_mutex_unlock(&im->mu);
+    pthread_mutex_lock(&im->comm_mu);
+    ncclComm_t comm = im->comm;
+    im->comm = NULL;
+    pthread_mutex_unlock(&im->comm_mu);
+    if (comm) {
+        if (list || atomic_load(&g->aborted)) {
+            ncclResult_t r = g_api.CommAbort(comm);
+            if (r != ncclSuccess && r != ncclInProgress)
+                DDPC_INFO("NCCL", "ncclCommAbort failed: %s", g_api.GetErrorString(r));
+        } else {
+            close_comm(im, comm);
+        }
+    }
+    complete_list(im, list, DDPC_ERR_PEER,
+                  "the process group was destroyed while it was in flight");
+    /* Works still referenced elsewhere give their events back to no pool from now on. */
+    g->impl = NULL;
+    impl_free(im);
+    if (prev >= 0 && prev != device) CUDA_LOG(cudaSetDevice(prev));
+}
+
+const DdpcBackendOps ddpc_backend_nccl = {
+    .name = "nccl",
+    .init = nccl_init,
+    .post = nccl_post,
+    .wait_stream = nccl_wait_stream,
+    .abort = nccl_abort_hook,
+    .destroy = nccl_destroy,
+    .work_free = nccl_work_free,
+};
+
+#else /* !DDPC_WITH_CUDA */
+
+static ddpc_status nccl_init(DdpcGroup *g) {
+    /* In this build this fails with the message that says how to get CUDA support. */
+    ddpc_status st = ddpc_cuda_set_device(g->cuda_device);
+    return st != DDPC_OK ? st : ddpc_error(DDPC_ERR_UNAVAILABLE, "this build has no CUDA support");
+}
+
+static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
+    (void)g;
+    (void)w;
+    return ddpc_error(DDPC_ERR_UNAVAILABLE, "this build of ddpc has no CUDA support");
+}
+
 static void nccl_destroy(DdpcGroup *g) { (void)g; }
-const DdpcBackendOps ddpc_backend_nccl = { "nccl", nccl_init, nccl_post, NULL, NULL, nccl_destroy, NULL };
-int ddpc_cuda_built(void) { return 0; }
-int ddpc_cuda_device_count(void) { return 0; }
-ddpc_status ddpc_cuda_set_device(int d) { (void)d; return ddpc_error(DDPC_ERR_UNAVAILABLE, "no CUDA"); }
-ddpc_status ddpc_nccl_load(char *v, size_t l) { (void)v;(void)l; return ddpc_error(DDPC_ERR_UNAVAILABLE, "no NCCL"); }
-ddpc_status ddpc_device_zero(void *p, size_t b, uintptr_t s) { (void)p;(void)b;(void)s; return ddpc_error(DDPC_ERR_UNAVAILABLE, "no CUDA"); }
-ddpc_status ddpc_device_cast(void *d, ddpc_dtype dd, const void *s, ddpc_dtype sd, size_t n, float sc, uintptr_t st) { (void)d;(void)dd;(void)s;(void)sd;(void)n;(void)sc;(void)st; return ddpc_error(DDPC_ERR_UNAVAILABLE, "no CUDA"); }
+
+const DdpcBackendOps ddpc_backend_nccl = {
+    .name = "nccl",
+    .init = nccl_init,
+    .post = nccl_post,
+    .destroy = nccl_destroy,
+};
+
+#endif

@@ -99,6 +99,11 @@ const char *ddpc_redop_name(ddpc_redop op);
 /* Host reductions (reduce.c): acc[i] = acc[i] (op) in[i] for n elements. AVG accumulates like SUM;
  * the caller divides once with ddpc_reduce_scale. Half types accumulate through float. */
 ddpc_status ddpc_reduce_host(void *acc, const void *in, size_t n, ddpc_dtype dt, ddpc_redop op);
+/* out[i] = in[0][i] (op) in[1][i] (op) ... in[nin-1][i], in input order; AVG then divides by nin
+ * (integers: truncating). Half types accumulate all inputs in float and round once. out must not
+ * overlap any input. */
+ddpc_status ddpc_reduce_host_n(void *out, const void *const *in, int nin, size_t n,
+                               ddpc_dtype dt, ddpc_redop op);
 /* out[i] = in[i] / divisor, in place allowed (integers: truncating division, like torch). */
 ddpc_status ddpc_reduce_scale(void *buf, size_t n, ddpc_dtype dt, int64_t divisor);
 /* Element conversion between dtypes on the host (float types only, plus identity). */
@@ -229,29 +234,49 @@ void ddpc_work_release(DdpcWork *w);
 typedef struct DdpcReducer DdpcReducer;
 
 /* Parameters 0..nparams-1 in registration order. Buckets group parameters by (dtype, device) in
- * `order` (NULL: reverse registration order); the first bucket of each group holds at most
- * first_bucket_bytes, later ones bucket_cap_bytes (a parameter larger than the cap gets a bucket
- * of its own). comm_dtype < 0: reduce in each bucket's own dtype; else cast to it (float16 or
- * bfloat16) for the wire and back. */
+ * `order` (a permutation; NULL: reverse registration order); the first bucket of each group holds
+ * at most first_bucket_bytes, later ones bucket_cap_bytes (a parameter larger than the cap gets a
+ * bucket of its own). Each slot starts on a 16-byte boundary; the padding stays zero. late[i] != 0
+ * (late may be NULL) puts parameter i in buckets of their own, ordered after all others, that are
+ * launched only by ddpc_reducer_finalize: for parameters whose gradient is accumulated more than
+ * once per backward (a weight reused across reentrant checkpoint segments), or for every parameter
+ * while their ready order is still unknown. comm_dtype < 0: reduce in each bucket's own dtype;
+ * else cast to it (float16 or bfloat16) for the wire and back. */
 ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
                                 const ddpc_dtype *dtypes, const int *devices, const int *order,
-                                size_t first_bucket_bytes, size_t bucket_cap_bytes, int comm_dtype,
-                                DdpcReducer **out);
+                                const uint8_t *late, size_t first_bucket_bytes,
+                                size_t bucket_cap_bytes, int comm_dtype, DdpcReducer **out);
+/* Waits for collectives still in flight (their memory belongs to the caller), then frees. The
+ * group must still exist. */
 void ddpc_reducer_destroy(DdpcReducer *r);
 int ddpc_reducer_num_buckets(const DdpcReducer *r);
 /* Bucket b: its dtype, device and element count (the caller allocates memory of that size). */
 ddpc_status ddpc_reducer_bucket_info(const DdpcReducer *r, int b, ddpc_dtype *dtype, int *device,
                                      size_t *count);
+/* The dtype bucket b's comm_buf must have, or -1 when the bucket needs none (no comm_dtype, or
+ * the bucket already has that dtype). */
+int ddpc_reducer_bucket_comm_dtype(const DdpcReducer *r, int b);
 /* Where parameter i's gradient lives: bucket and element offset. */
 ddpc_status ddpc_reducer_param_slot(const DdpcReducer *r, int i, int *bucket, size_t *offset);
 /* Gives bucket b its flat buffer (count elements; owned by the caller). comm_buf: a second buffer
- * of count elements in comm_dtype when comm_dtype >= 0, else NULL. */
+ * of count elements in ddpc_reducer_bucket_comm_dtype(r, b) when that is >= 0, else NULL. */
 ddpc_status ddpc_reducer_set_bucket_memory(DdpcReducer *r, int b, void *buf, void *comm_buf);
-/* Starts a step: every parameter not ready, no bucket launched. */
+/* Starts a step: every parameter not ready, no bucket launched. Calling it again before any
+ * parameter became ready is harmless. When the previous step was left unfinished (parameters were
+ * marked ready but finalize never ran), waits for its collectives, resets, and fails once with a
+ * message saying so: that step's gradients were not averaged. */
 ddpc_status ddpc_reducer_prepare(DdpcReducer *r);
 /* Parameter i's gradient is complete in its bucket slot. stream: the device stream that wrote it
- * (0 on host). Launches every bucket that is now complete and whose predecessors are launched. */
+ * (0 on host). Launches every bucket that is now complete and whose predecessors are launched.
+ * Marking a parameter again is counted (ready_count) and harmless until its bucket is launched;
+ * after that it fails, because the gradient changed while it was being reduced. */
 ddpc_status ddpc_reducer_mark_ready(DdpcReducer *r, int i, uintptr_t stream);
+/* 1 when ddpc_reducer_mark_ready(r, i, ...) would launch a collective now (it then does work
+ * that is worth releasing the GIL for), 0 when it only records. A hint: never fails. */
+int ddpc_reducer_mark_would_launch(DdpcReducer *r, int i);
+/* Writes the parameters not marked ready so far this step to out (room for nparams) and returns
+ * how many there are. */
+int ddpc_reducer_unready(DdpcReducer *r, int *out);
 /* End of backward: zeroes the slots of parameters that were never marked ready, launches the
  * remaining buckets in order, and waits for all (device: makes `stream` wait, no host sync).
  * *unused receives the number of parameters that were unused this step. */
@@ -264,13 +289,20 @@ ddpc_status ddpc_reducer_observed_order(const DdpcReducer *r, int *order, int *r
 
 /* Fills out with the indices rank `rank` of `replicas` reads in one epoch, exactly like
  * torch.utils.data.DistributedSampler (shuffle: one permutation per (seed, epoch), identical on
- * every rank; padding repeats from the front; drop_last trims). pad=0 gives the exact split with
- * no duplicated sample (rank lengths may differ by one). *n_out receives the count; out must hold
- * ddpc_sampler_num_samples(...) entries. */
+ * every rank, process and machine, but not torch's own permutation; padding repeats from the
+ * front; drop_last trims). pad=0 gives the exact split with no duplicated sample (rank lengths may
+ * differ by one); drop_last=1 with pad=0 is DDPC_ERR_INVALID. *n_out receives the count; out must
+ * hold ddpc_sampler_num_samples(...) entries. Large shuffles run on up to 8 threads
+ * (DDPC_SAMPLER_THREADS overrides); the result never depends on the thread count.
+ * ddpc_sampler_num_samples returns -1 for invalid arguments, with the message set. */
 int64_t ddpc_sampler_num_samples(int64_t length, int replicas, int rank, int drop_last, int pad);
 ddpc_status ddpc_sampler_indices(int64_t length, int replicas, int rank, int shuffle,
                                  uint64_t seed, uint64_t epoch, int drop_last, int pad,
                                  int64_t *out, int64_t *n_out);
+/* A buffer for count indices; large ones are mapped with a transparent-huge-page hint, which
+ * makes first touch several times cheaper. Free with ddpc_sampler_free(buf, the same count). */
+ddpc_status ddpc_sampler_alloc(int64_t count, int64_t **out);
+void ddpc_sampler_free(int64_t *buf, int64_t count);
 
 /* ---------------------------------------------------------------- CUDA (kernels.cu, comm_nccl.c) */
 

@@ -58,6 +58,7 @@ ddpc_status ddpc_group_create(const DdpcGroupConfig *cfg, DdpcGroup **out) {
     g->ops = ops;
     g->next_seq = 1;
     atomic_init(&g->aborted, 0);
+    atomic_init(&g->refs, 1);
     pthread_mutex_init(&g->mu, NULL);
     ddpc_status st = ops->init(g);
     if (st != DDPC_OK) {
@@ -73,11 +74,18 @@ ddpc_status ddpc_group_create(const DdpcGroupConfig *cfg, DdpcGroup **out) {
     return DDPC_OK;
 }
 
+/* The struct stays until its last work is released: Python may drop a Work after
+ * destroy_process_group, and releasing it reads w->g. */
+static void group_unref(DdpcGroup *g) {
+    if (atomic_fetch_sub(&g->refs, 1) != 1) return;
+    pthread_mutex_destroy(&g->mu);
+    free(g);
+}
+
 void ddpc_group_destroy(DdpcGroup *g) {
     if (!g) return;
     g->ops->destroy(g);
-    pthread_mutex_destroy(&g->mu);
-    free(g);
+    group_unref(g);
 }
 
 int ddpc_group_rank(const DdpcGroup *g) { return g->rank; }
@@ -229,6 +237,7 @@ ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **o
     atomic_init(&w->refs, 1);
     atomic_init(&w->done, 0);
     w->g = g;
+    atomic_fetch_add(&g->refs, 1);
     w->args = *args;
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
@@ -260,11 +269,13 @@ void ddpc_work_retain(DdpcWork *w) { atomic_fetch_add(&w->refs, 1); }
 
 void ddpc_work_release(DdpcWork *w) {
     if (!w || atomic_fetch_sub(&w->refs, 1) != 1) return;
-    if (w->g && w->g->ops->work_free) w->g->ops->work_free(w);
+    DdpcGroup *g = w->g;
+    if (g && g->ops->work_free) g->ops->work_free(w);
     pthread_cond_destroy(&w->cv);
     pthread_mutex_destroy(&w->mu);
     free(w->msg);
     free(w);
+    if (g) group_unref(g);
 }
 
 ddpc_status ddpc_work_wait(DdpcWork *w) {

@@ -55,6 +55,7 @@ struct DdpcGroup {
     pthread_mutex_t mu;     /* guards next_seq */
     uint64_t next_seq;
     atomic_int aborted;
+    atomic_int refs;        /* 1 for the owner + 1 per live work: works may outlive destroy */
     ddpc_status abort_status;
     char abort_msg[2048];
 };

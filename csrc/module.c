@@ -630,10 +630,503 @@ static PyType_Spec Work_spec = {
 
 /* ---------------------------------------------------------------- Reducer (reducer.c) */
 /* BEGIN REDUCER BINDINGS */
+
+typedef struct {
+    PyObject_HEAD
+    DdpcReducer *r;
+    PyObject *group;   /* the GroupObject whose DdpcGroup the reducer posts to */
+    PyObject *keep;    /* list: owners of bucket memory, alive as long as the reducer */
+    int *scratch;      /* nparams ints for unready() */
+    int nparams;
+} ReducerObject;
+
+/* Fills out[0..n) from a sequence of ints (NULL seq: leaves out alone and returns 0). */
+static int ints_from_seq(PyObject *seq, Py_ssize_t n, const char *what, long long lo,
+                         long long hi, long long *out) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (!fast) return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != n) {
+        PyErr_Format(PyExc_ValueError, "%s must have %zd entries (one per parameter), got %zd",
+                     what, n, PySequence_Fast_GET_SIZE(fast));
+        Py_DECREF(fast);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (v == -1 && PyErr_Occurred()) { Py_DECREF(fast); return -1; }
+        if (v < lo || v > hi) {
+            PyErr_Format(PyExc_ValueError, "%s[%zd] is %lld, expected a value in [%lld, %lld]",
+                         what, i, v, lo, hi);
+            Py_DECREF(fast);
+            return -1;
+        }
+        out[i] = v;
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+static PyObject *Reducer_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"group", "numels", "dtypes", "devices", "order", "late",
+                             "first_bucket_bytes", "bucket_cap_bytes", "comm_dtype", NULL};
+    PyObject *group, *numels_o, *dtypes_o, *devices_o, *order_o = Py_None, *late_o = Py_None;
+    unsigned long long first_bytes = 1u << 20, cap_bytes = 25u << 20;
+    int comm_dtype = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|OOKKi", kwlist, &group, &numels_o,
+                                     &dtypes_o, &devices_o, &order_o, &late_o, &first_bytes,
+                                     &cap_bytes, &comm_dtype))
+        return NULL;
+    ModState *s = state_of_type(tp);
+    if (!s) return NULL;
+    if (!PyObject_TypeCheck(group, s->GroupType) || !((GroupObject *)group)->g) {
+        PyErr_SetString(PyExc_TypeError, "group must be a live ddpc._C.Group");
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Size(numels_o);
+    if (n < 0) return NULL;
+    if (n > INT32_MAX / 2) {
+        PyErr_Format(PyExc_ValueError, "numels has %zd entries, too many parameters", n);
+        return NULL;
+    }
+    size_t cnt = (size_t)n + 1;
+    long long *tmp = PyMem_Calloc(cnt * 5, sizeof(long long));
+    size_t *numels = PyMem_Calloc(cnt, sizeof(size_t));
+    ddpc_dtype *dtypes = PyMem_Calloc(cnt, sizeof(ddpc_dtype));
+    int *devices = PyMem_Calloc(cnt, sizeof(int));
+    int *order = PyMem_Calloc(cnt, sizeof(int));
+    uint8_t *late = PyMem_Calloc(cnt, 1);
+    int *scratch = PyMem_Calloc(cnt, sizeof(int));
+    ReducerObject *self = NULL;
+    if (!tmp || !numels || !dtypes || !devices || !order || !late || !scratch) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    long long *t_num = tmp, *t_dt = tmp + cnt, *t_dev = tmp + 2 * cnt, *t_ord = tmp + 3 * cnt,
+              *t_late = tmp + 4 * cnt;
+    if (ints_from_seq(numels_o, n, "numels", 0, INT64_MAX, t_num) < 0 ||
+        ints_from_seq(dtypes_o, n, "dtypes", 0, DDPC_NUM_DTYPES - 1, t_dt) < 0 ||
+        ints_from_seq(devices_o, n, "devices", -1, INT32_MAX, t_dev) < 0 ||
+        (order_o != Py_None && ints_from_seq(order_o, n, "order", 0, n - 1, t_ord) < 0) ||
+        (late_o != Py_None && ints_from_seq(late_o, n, "late", 0, 1, t_late) < 0))
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        numels[i] = (size_t)t_num[i];
+        dtypes[i] = (ddpc_dtype)t_dt[i];
+        devices[i] = (int)t_dev[i];
+        order[i] = (int)t_ord[i];
+        late[i] = (uint8_t)t_late[i];
+    }
+    self = (ReducerObject *)tp->tp_alloc(tp, 0);
+    if (!self) goto fail;
+    self->keep = PyList_New(0);
+    if (!self->keep) goto fail;
+    Py_INCREF(group);
+    self->group = group;
+    self->nparams = (int)n;
+    ddpc_status st = ddpc_reducer_create(((GroupObject *)group)->g, (int)n, numels, dtypes,
+                                         devices, order_o != Py_None ? order : NULL,
+                                         late_o != Py_None ? late : NULL, (size_t)first_bytes,
+                                         (size_t)cap_bytes, comm_dtype, &self->r);
+    if (st != DDPC_OK) {
+        raise_status(s, st);
+        goto fail;
+    }
+    self->scratch = scratch;
+    scratch = NULL;
+    PyMem_Free(tmp);
+    PyMem_Free(numels);
+    PyMem_Free(dtypes);
+    PyMem_Free(devices);
+    PyMem_Free(order);
+    PyMem_Free(late);
+    return (PyObject *)self;
+fail:
+    Py_XDECREF(self);
+    PyMem_Free(tmp);
+    PyMem_Free(numels);
+    PyMem_Free(dtypes);
+    PyMem_Free(devices);
+    PyMem_Free(order);
+    PyMem_Free(late);
+    PyMem_Free(scratch);
+    return NULL;
+}
+
+static int reducer_group_alive(ReducerObject *self) {
+    return self->group && ((GroupObject *)self->group)->g != NULL;
+}
+
+static int reducer_ready(ReducerObject *self) {
+    if (!self->r) {
+        PyErr_SetString(PyExc_ValueError, "the reducer was closed");
+        return 0;
+    }
+    if (!reducer_group_alive(self)) {
+        PyErr_SetString(PyExc_ValueError, "the reducer's process group was destroyed");
+        return 0;
+    }
+    return 1;
+}
+
+static void reducer_close(ReducerObject *self) {
+    if (!self->r) return;
+    DdpcReducer *r = self->r;
+    self->r = NULL;
+    /* Without its group the reducer cannot release its work objects safely: leak it instead.
+     * Otherwise wait for collectives that still write into the buffers held in keep. */
+    if (!reducer_group_alive(self)) return;
+    Py_BEGIN_ALLOW_THREADS
+    ddpc_reducer_destroy(r);
+    Py_END_ALLOW_THREADS
+}
+
+static void Reducer_dealloc(ReducerObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    reducer_close(self);
+    Py_CLEAR(self->keep);
+    Py_CLEAR(self->group);
+    PyMem_Free(self->scratch);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static int Reducer_traverse(ReducerObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->group);
+    Py_VISIT(self->keep);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static PyObject *Reducer_bucket_info(ReducerObject *self, PyObject *args) {
+    int b;
+    if (!PyArg_ParseTuple(args, "i", &b)) return NULL;
+    if (!reducer_ready(self)) return NULL;
+    ddpc_dtype dt;
+    int dev;
+    size_t count;
+    ddpc_status st = ddpc_reducer_bucket_info(self->r, b, &dt, &dev, &count);
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    return Py_BuildValue("iini", (int)dt, dev, (Py_ssize_t)count,
+                         ddpc_reducer_bucket_comm_dtype(self->r, b));
+}
+
+static PyObject *Reducer_param_slot(ReducerObject *self, PyObject *args) {
+    int i;
+    if (!PyArg_ParseTuple(args, "i", &i)) return NULL;
+    if (!reducer_ready(self)) return NULL;
+    int b;
+    size_t off;
+    ddpc_status st = ddpc_reducer_param_slot(self->r, i, &b, &off);
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    return Py_BuildValue("in", b, (Py_ssize_t)off);
+}
+
+static PyObject *Reducer_set_bucket_memory(ReducerObject *self, PyObject *args) {
+    int b;
+    unsigned long long ptr, comm_ptr = 0;
+    PyObject *keep = Py_None;
+    if (!PyArg_ParseTuple(args, "iK|KO", &b, &ptr, &comm_ptr, &keep)) return NULL;
+    if (!reducer_ready(self)) return NULL;
+    ddpc_status st = ddpc_reducer_set_bucket_memory(self->r, b, (void *)(uintptr_t)ptr,
+                                                    (void *)(uintptr_t)comm_ptr);
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    if (keep != Py_None && PyList_Append(self->keep, keep) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Reducer_prepare(ReducerObject *self, PyObject *unused) {
+    (void)unused;
+    if (!reducer_ready(self)) return NULL;
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_reducer_prepare(self->r));
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    Py_RETURN_NONE;
+}
+
+/* Called from a gradient hook once per parameter per step: no tuple, and the GIL is kept unless
+ * this call launches a collective. */
+static PyObject *Reducer_mark_ready(ReducerObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "mark_ready(i, stream=0) takes 1 or 2 arguments, got %zd",
+                     nargs);
+        return NULL;
+    }
+    int overflow = 0;
+    long i = PyLong_AsLongAndOverflow(args[0], &overflow);
+    if (i == -1 && PyErr_Occurred()) return NULL;
+    uintptr_t stream = 0;
+    if (nargs == 2) {
+        unsigned long long v = PyLong_AsUnsignedLongLong(args[1]);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+        stream = (uintptr_t)v;
+    }
+    if (!reducer_ready(self)) return NULL;
+    if (overflow || i < 0 || i >= self->nparams) {
+        PyErr_Format(PyExc_ValueError, "mark_ready: parameter index must be in [0, %d)",
+                     self->nparams);
+        return NULL;
+    }
+    ddpc_status st;
+    if (ddpc_reducer_mark_would_launch(self->r, (int)i)) {
+        DDPC_NOGIL(st, ddpc_reducer_mark_ready(self->r, (int)i, stream));
+    } else {
+        st = ddpc_reducer_mark_ready(self->r, (int)i, stream);
+    }
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *int_list(const int *v, int n) {
+    PyObject *l = PyList_New(n);
+    if (!l) return NULL;
+    for (int i = 0; i < n; i++) {
+        PyObject *x = PyLong_FromLong(v[i]);
+        if (!x) { Py_DECREF(l); return NULL; }
+        PyList_SET_ITEM(l, i, x);
+    }
+    return l;
+}
+
+static PyObject *Reducer_unready(ReducerObject *self, PyObject *unused) {
+    (void)unused;
+    if (!reducer_ready(self)) return NULL;
+    int n = ddpc_reducer_unready(self->r, self->scratch);
+    return int_list(self->scratch, n);
+}
+
+static PyObject *Reducer_finalize(ReducerObject *self, PyObject *args) {
+    unsigned long long stream = 0;
+    if (!PyArg_ParseTuple(args, "|K", &stream)) return NULL;
+    if (!reducer_ready(self)) return NULL;
+    int unused = 0;
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_reducer_finalize(self->r, (uintptr_t)stream, &unused));
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    return PyLong_FromLong(unused);
+}
+
+static PyObject *Reducer_observed_order(ReducerObject *self, PyObject *unused) {
+    (void)unused;
+    if (!reducer_ready(self)) return NULL;
+    size_t n = (size_t)self->nparams + 1;
+    int *order = PyMem_Calloc(n, sizeof(int));
+    int *count = PyMem_Calloc(n, sizeof(int));
+    PyObject *res = NULL;
+    if (!order || !count) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    ddpc_status st = ddpc_reducer_observed_order(self->r, order, count);
+    if (st != DDPC_OK) {
+        raise_status(state_of_type(Py_TYPE(self)), st);
+        goto out;
+    }
+    PyObject *o = int_list(order, self->nparams);
+    PyObject *c = o ? int_list(count, self->nparams) : NULL;
+    if (o && c) res = PyTuple_Pack(2, o, c);
+    Py_XDECREF(o);
+    Py_XDECREF(c);
+out:
+    PyMem_Free(order);
+    PyMem_Free(count);
+    return res;
+}
+
+static PyObject *Reducer_close(ReducerObject *self, PyObject *unused) {
+    (void)unused;
+    reducer_close(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Reducer_get_num_buckets(ReducerObject *self, void *c) {
+    (void)c;
+    return reducer_ready(self) ? PyLong_FromLong(ddpc_reducer_num_buckets(self->r)) : NULL;
+}
+
+static PyObject *Reducer_get_num_params(ReducerObject *self, void *c) {
+    (void)c;
+    return PyLong_FromLong(self->nparams);
+}
+
+static PyGetSetDef Reducer_getset[] = {
+    {"num_buckets", (getter)Reducer_get_num_buckets, NULL, NULL, NULL},
+    {"num_params", (getter)Reducer_get_num_params, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef Reducer_methods[] = {
+    {"bucket_info", (PyCFunction)Reducer_bucket_info, METH_VARARGS,
+     "bucket_info(b) -> (dtype code, device, count, comm dtype code or -1)"},
+    {"param_slot", (PyCFunction)Reducer_param_slot, METH_VARARGS,
+     "param_slot(i) -> (bucket, element offset)"},
+    {"set_bucket_memory", (PyCFunction)Reducer_set_bucket_memory, METH_VARARGS,
+     "set_bucket_memory(b, ptr, comm_ptr=0, keep=None): keep owns the memory and is held by the "
+     "reducer"},
+    {"prepare", (PyCFunction)Reducer_prepare, METH_NOARGS, "start a step"},
+    {"mark_ready", (PyCFunction)(void (*)(void))Reducer_mark_ready, METH_FASTCALL,
+     "mark_ready(i, stream=0): parameter i's gradient is in its slot"},
+    {"unready", (PyCFunction)Reducer_unready, METH_NOARGS,
+     "unready() -> [i, ...]: parameters not marked ready so far this step"},
+    {"finalize", (PyCFunction)Reducer_finalize, METH_VARARGS,
+     "finalize(stream=0) -> number of unused parameters: zero, launch the rest, wait for all"},
+    {"observed_order", (PyCFunction)Reducer_observed_order, METH_NOARGS,
+     "observed_order() -> (order, ready_counts) of the last finished step"},
+    {"close", (PyCFunction)Reducer_close, METH_NOARGS,
+     "wait for collectives in flight and free the reducer"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot Reducer_slots[] = {
+    {Py_tp_new, Reducer_new},
+    {Py_tp_dealloc, Reducer_dealloc},
+    {Py_tp_traverse, Reducer_traverse},
+    {Py_tp_getset, Reducer_getset},
+    {Py_tp_methods, Reducer_methods},
+    {Py_tp_doc, "Reducer(group, numels, dtypes, devices, order=None, late=None, "
+                "first_bucket_bytes=1 MiB, bucket_cap_bytes=25 MiB, comm_dtype=-1): the gradient "
+                "reducer of the C core"},
+    {0, NULL},
+};
+
+static PyType_Spec Reducer_spec = {
+    "ddpc._C.Reducer", sizeof(ReducerObject), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    Reducer_slots,
+};
+
 /* END REDUCER BINDINGS */
 
 /* ---------------------------------------------------------------- DistributedSampler (sampler.c) */
 /* BEGIN SAMPLER BINDINGS */
+/* One rank's indices for one epoch, generated by the core into one int64 buffer when the object is
+ * made. It is its own iterator (Python ints, for DataLoader) and exports the buffer (format "q")
+ * so NumPy can wrap it without a copy. The buffer lives until the object dies, which no exported
+ * view outlives, so views never dangle. */
+typedef struct {
+    PyObject_HEAD
+    int64_t *buf;
+    Py_ssize_t count;
+    Py_ssize_t pos;
+    Py_ssize_t itemsize;  /* the strides the buffer protocol hands out point here */
+} SamplerIndicesObject;
+
+static PyObject *SamplerIndices_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"length", "num_replicas", "rank", "shuffle", "seed", "epoch",
+                             "drop_last", "pad", NULL};
+    long long length;
+    int replicas, rank, shuffle, drop_last, pad;
+    unsigned long long seed, epoch;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LiipKKpp", kwlist, &length, &replicas, &rank,
+                                     &shuffle, &seed, &epoch, &drop_last, &pad))
+        return NULL;
+    ModState *s = state_of_type(tp);
+    if (!s) return NULL;
+    int64_t count = ddpc_sampler_num_samples(length, replicas, rank, drop_last, pad);
+    if (count < 0) return raise_status(s, DDPC_ERR_INVALID);
+    if (count > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(int64_t)) return PyErr_NoMemory();
+    SamplerIndicesObject *self = (SamplerIndicesObject *)tp->tp_alloc(tp, 0);
+    if (!self) return NULL;
+    self->itemsize = sizeof(int64_t);
+    ddpc_status st = ddpc_sampler_alloc(count, &self->buf);
+    if (st == DDPC_OK) {
+        int64_t n = 0;
+        self->count = (Py_ssize_t)count;
+        DDPC_NOGIL(st, ddpc_sampler_indices(length, replicas, rank, shuffle, seed, epoch,
+                                            drop_last, pad, self->buf, &n));
+    }
+    if (st != DDPC_OK) {
+        Py_DECREF(self);
+        return raise_status(s, st);
+    }
+    return (PyObject *)self;
+}
+
+static void SamplerIndices_dealloc(SamplerIndicesObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    /* count is the allocation size: generation either filled it all or failed. */
+    ddpc_sampler_free(self->buf, self->count);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *SamplerIndices_next(SamplerIndicesObject *self) {
+    if (self->pos >= self->count) return NULL;
+    return PyLong_FromLongLong(self->buf[self->pos++]);
+}
+
+static PyObject *SamplerIndices_length_hint(SamplerIndicesObject *self, PyObject *unused) {
+    (void)unused;
+    return PyLong_FromSsize_t(self->count - self->pos);
+}
+
+static PyObject *SamplerIndices_num_samples(PyObject *cls, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"length", "num_replicas", "rank", "drop_last", "pad", NULL};
+    long long length;
+    int replicas, rank, drop_last, pad;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Liipp", kwlist, &length, &replicas, &rank,
+                                     &drop_last, &pad))
+        return NULL;
+    int64_t count = ddpc_sampler_num_samples(length, replicas, rank, drop_last, pad);
+    if (count < 0) return raise_status(state_of_type((PyTypeObject *)cls), DDPC_ERR_INVALID);
+    return PyLong_FromLongLong(count);
+}
+
+/* As array.array does: a writable 1-d int64 buffer, with shape, strides and format given only
+ * when the consumer asks for them. */
+static int SamplerIndices_getbuffer(SamplerIndicesObject *self, Py_buffer *view, int flags) {
+    static int64_t empty;
+    view->obj = Py_NewRef(self);
+    view->buf = self->count ? (void *)self->buf : (void *)&empty;
+    view->len = self->count * self->itemsize;
+    view->readonly = 0;
+    view->ndim = 1;
+    view->itemsize = self->itemsize;
+    view->format = (flags & PyBUF_FORMAT) == PyBUF_FORMAT ? "q" : NULL;
+    view->shape = (flags & PyBUF_ND) == PyBUF_ND ? &self->count : NULL;
+    view->strides = (flags & PyBUF_STRIDES) == PyBUF_STRIDES ? &self->itemsize : NULL;
+    view->suboffsets = NULL;
+    view->internal = NULL;
+    return 0;
+}
+
+static PyObject *SamplerIndices_get_size(SamplerIndicesObject *self, void *c) {
+    (void)c;
+    return PyLong_FromSsize_t(self->count);
+}
+
+static PyGetSetDef SamplerIndices_getset[] = {
+    {"size", (getter)SamplerIndices_get_size, NULL, "number of indices (consumed or not)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef SamplerIndices_methods[] = {
+    {"__length_hint__", (PyCFunction)SamplerIndices_length_hint, METH_NOARGS,
+     "indices not yet yielded"},
+    {"num_samples", (PyCFunction)(void (*)(void))SamplerIndices_num_samples,
+     METH_VARARGS | METH_KEYWORDS | METH_CLASS,
+     "num_samples(length, num_replicas, rank, drop_last, pad) -> int: how many indices the rank "
+     "reads per epoch; ValueError for invalid arguments"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot SamplerIndices_slots[] = {
+    {Py_tp_new, SamplerIndices_new},
+    {Py_tp_dealloc, SamplerIndices_dealloc},
+    {Py_tp_iter, PyObject_SelfIter},
+    {Py_tp_iternext, SamplerIndices_next},
+    {Py_tp_methods, SamplerIndices_methods},
+    {Py_tp_getset, SamplerIndices_getset},
+    {Py_bf_getbuffer, SamplerIndices_getbuffer},
+    {Py_tp_doc, "SamplerIndices(length, num_replicas, rank, shuffle, seed, epoch, drop_last, pad): "
+                "the indices one rank reads in one epoch (see ddpc.DistributedSampler), made in C "
+                "at construction. Iterate for Python ints; the buffer protocol gives int64."},
+    {0, NULL},
+};
+
+static PyType_Spec SamplerIndices_spec = {
+    "ddpc._C.SamplerIndices", sizeof(SamplerIndicesObject), 0, Py_TPFLAGS_DEFAULT,
+    SamplerIndices_slots,
+};
 /* END SAMPLER BINDINGS */
 
 /* ---------------------------------------------------------------- module functions */
@@ -737,6 +1230,8 @@ static int module_exec(PyObject *m) {
     if (add_type(m, &Group_spec, &s->GroupType) < 0) return -1;
     if (add_type(m, &Work_spec, &s->WorkType) < 0) return -1;
     /* BEGIN TYPE REGISTRATION */
+    if (add_type(m, &Reducer_spec, &s->ReducerType) < 0) return -1;
+    if (add_type(m, &SamplerIndices_spec, &s->SamplerType) < 0) return -1;
     /* END TYPE REGISTRATION */
     ddpc_set_interrupt_hook(interrupt_hook);
     return 0;

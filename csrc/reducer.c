@@ -1,2 +1,571 @@
-/* reducer.c: gradient buckets (placeholder until implemented). */
+/* reducer.c: the DDP gradient reducer: assigns parameters to flat buckets, tracks which gradients
+ * are ready during backward, all-reduces (averages) each bucket as soon as it and every bucket
+ * before it are complete, and at the end of backward zeroes unused slots and waits for all. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+
 #include "group.h"
+
+/* Slots start on this boundary so vectorized optimizer kernels see aligned gradients. */
+#define SLOT_ALIGN_BYTES 16
+
+typedef struct Bucket {
+    ddpc_dtype dtype;
+    int device;
+    int late;           /* launched only by finalize */
+    int comm_dtype;     /* dtype on the wire, or -1: reduced in `dtype` */
+    size_t count;       /* elements, padding included */
+    int first;          /* its parameters are r->bucket_params[first .. first + nparams) */
+    int nparams;
+    void *buf;          /* caller's memory */
+    void *comm_buf;
+    int pending;        /* parameters not yet ready this step */
+    int launched;
+    DdpcWork *work;     /* in flight between launch and the end of finalize */
+} Bucket;
+
+struct DdpcReducer {
+    DdpcGroup *g;
+    int nparams;
+    size_t *numels;
+    ddpc_dtype *dtypes;
+    int *devices;
+    int nbuckets;
+    Bucket *buckets;
+    int *bucket_params;   /* parameters of every bucket, bucket by bucket, in layout order */
+    int *param_bucket;
+    size_t *param_offset;
+    pthread_mutex_t mu;   /* hooks may run on more than one autograd thread */
+    /* the step in progress */
+    int step_active;
+    int next_launch;      /* every bucket before it is launched */
+    uint8_t *ready;
+    int *ready_count;
+    int *seen;            /* parameters in the order they became ready */
+    int nseen;
+    /* the last finished step */
+    int *last_order;
+    int *last_count;
+};
+
+static ddpc_status alloc_array(void **p, size_t n, size_t size, const char *what) {
+    *p = calloc(n ? n : 1, size);
+    if (!*p)
+        return ddpc_error(DDPC_ERR_NOMEM, "out of host memory allocating the reducer's %s (%zu x %zu "
+                          "bytes)", what, n, size);
+    return DDPC_OK;
+}
+
+static size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+static int is_float(int dt) {
+    return dt == DDPC_FLOAT32 || dt == DDPC_FLOAT64 || dt == DDPC_FLOAT16 || dt == DDPC_BFLOAT16;
+}
+
+static ddpc_status check_create_args(int nparams, const size_t *numels, const ddpc_dtype *dtypes,
+                                     const int *devices, const int *order,
+                                     size_t first_bucket_bytes, size_t bucket_cap_bytes,
+                                     int comm_dtype, uint8_t *seen) {
+    if (nparams < 0)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: nparams must be >= 0, got %d", nparams);
+    if (nparams > 0 && (!numels || !dtypes || !devices))
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: numels, dtypes and devices must not be NULL");
+    if (!first_bucket_bytes || !bucket_cap_bytes)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket sizes must be > 0 bytes (first %zu, "
+                          "cap %zu)", first_bucket_bytes, bucket_cap_bytes);
+    if (comm_dtype >= 0 && comm_dtype != DDPC_FLOAT16 && comm_dtype != DDPC_BFLOAT16)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: the communication dtype must be float16 "
+                          "(%d) or bfloat16 (%d), got code %d", DDPC_FLOAT16, DDPC_BFLOAT16,
+                          comm_dtype);
+    for (int i = 0; i < nparams; i++) {
+        if (!is_float(dtypes[i]))
+            return ddpc_error(DDPC_ERR_INVALID, "reducer: parameter %d has dtype %s (code %d); "
+                              "gradients must be float32, float64, float16 or bfloat16", i,
+                              ddpc_dtype_name(dtypes[i]), (int)dtypes[i]);
+        if (devices[i] < -1)
+            return ddpc_error(DDPC_ERR_INVALID, "reducer: parameter %d has device %d; use -1 for "
+                              "host memory or a CUDA ordinal", i, devices[i]);
+        if (numels[i] > SIZE_MAX / 16)
+            return ddpc_error(DDPC_ERR_INVALID, "reducer: parameter %d has %zu elements, too many",
+                              i, numels[i]);
+    }
+    if (order) {
+        for (int k = 0; k < nparams; k++) {
+            int p = order[k];
+            if (p < 0 || p >= nparams || seen[p])
+                return ddpc_error(DDPC_ERR_INVALID, "reducer: order must be a permutation of "
+                                  "0..%d, but entry %d is %d (%s)", nparams - 1, k, p,
+                                  p < 0 || p >= nparams ? "out of range" : "a repeat");
+            seen[p] = 1;
+        }
+    }
+    return DDPC_OK;
+}
+
+/* Buckets are opened in sequence order, so their indices follow the position of their first
+ * parameter: the order in which backward is expected to complete them. */
+static ddpc_status assign_buckets(DdpcReducer *r, const int *seq, const uint8_t *late,
+                                  size_t first_bytes, size_t cap_bytes, int comm_dtype) {
+    typedef struct {
+        ddpc_dtype dtype;
+        int device, late, cur, nclosed;
+        size_t bytes;
+    } Key;
+    int n = r->nparams;
+    Key *keys = NULL;
+    int nkeys = 0;
+    ddpc_status st;
+    DDPC_CHECK_GOTO(alloc_array((void **)&keys, (size_t)n, sizeof *keys, "bucket keys"), st, fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->buckets, (size_t)n, sizeof *r->buckets, "buckets"),
+                    st, fail);
+    for (int pos = 0; pos < n; pos++) {
+        int p = seq[pos];
+        int lt = late && late[p];
+        size_t bytes = r->numels[p] * ddpc_dtype_size(r->dtypes[p]);
+        Key *k = NULL;
+        for (int j = 0; j < nkeys && !k; j++)
+            if (keys[j].dtype == r->dtypes[p] && keys[j].device == r->devices[p] &&
+                keys[j].late == lt)
+                k = &keys[j];
+        if (!k) {
+            k = &keys[nkeys++];
+            *k = (Key){.dtype = r->dtypes[p], .device = r->devices[p], .late = lt, .cur = -1};
+        }
+        size_t limit = !lt && k->nclosed == 0 ? first_bytes : cap_bytes;
+        if (k->cur >= 0 && k->bytes + bytes > limit) {
+            k->cur = -1;
+            k->nclosed++;
+        }
+        if (k->cur < 0) {
+            k->cur = r->nbuckets++;
+            k->bytes = 0;
+            Bucket *b = &r->buckets[k->cur];
+            b->dtype = r->dtypes[p];
+            b->device = r->devices[p];
+            b->late = lt;
+            b->comm_dtype = comm_dtype >= 0 && comm_dtype != (int)b->dtype ? comm_dtype : -1;
+        }
+        k->bytes += bytes;
+        Bucket *b = &r->buckets[k->cur];
+        size_t esize = ddpc_dtype_size(b->dtype);
+        size_t off = align_up(b->count, DDPC_MAX((size_t)1, SLOT_ALIGN_BYTES / esize));
+        r->param_bucket[p] = k->cur;
+        r->param_offset[p] = off;
+        b->count = off + r->numels[p];
+        b->nparams++;
+    }
+    /* Each bucket's parameter list, in layout (= sequence) order. */
+    for (int b = 0, first = 0; b < r->nbuckets; b++) {
+        r->buckets[b].first = first;
+        first += r->buckets[b].nparams;
+        r->buckets[b].nparams = 0;
+    }
+    for (int pos = 0; pos < n; pos++) {
+        Bucket *b = &r->buckets[r->param_bucket[seq[pos]]];
+        r->bucket_params[b->first + b->nparams++] = seq[pos];
+    }
+    free(keys);
+    return DDPC_OK;
+fail:
+    free(keys);
+    return st;
+}
+
+ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
+                                const ddpc_dtype *dtypes, const int *devices, const int *order,
+                                const uint8_t *late, size_t first_bucket_bytes,
+                                size_t bucket_cap_bytes, int comm_dtype, DdpcReducer **out) {
+    *out = NULL;
+    if (!g) return ddpc_error(DDPC_ERR_INVALID, "reducer: the process group is NULL");
+    uint8_t *seen = NULL;
+    int *seq = NULL;
+    DdpcReducer *r = NULL;
+    ddpc_status st;
+    DDPC_CHECK_GOTO(alloc_array((void **)&seen, (size_t)DDPC_MAX(nparams, 0), 1, "order check"),
+                    st, fail);
+    DDPC_CHECK_GOTO(check_create_args(nparams, numels, dtypes, devices, order, first_bucket_bytes,
+                                      bucket_cap_bytes, comm_dtype, seen), st, fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r, 1, sizeof *r, "state"), st, fail);
+    r->g = g;
+    r->nparams = nparams;
+    size_t n = (size_t)nparams;
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->numels, n, sizeof *r->numels, "numels"), st, fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->dtypes, n, sizeof *r->dtypes, "dtypes"), st, fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->devices, n, sizeof *r->devices, "devices"), st, fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->bucket_params, n, sizeof(int), "bucket params"), st,
+                    fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->param_bucket, n, sizeof(int), "param buckets"), st,
+                    fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->param_offset, n, sizeof(size_t), "param offsets"), st,
+                    fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->ready, n, 1, "ready flags"), st, fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->ready_count, n, sizeof(int), "ready counts"), st,
+                    fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->seen, n, sizeof(int), "ready order"), st, fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->last_order, n, sizeof(int), "observed order"), st,
+                    fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->last_count, n, sizeof(int), "observed counts"), st,
+                    fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&seq, n, sizeof(int), "sequence"), st, fail);
+    for (int i = 0; i < nparams; i++) {
+        r->numels[i] = numels[i];
+        r->dtypes[i] = dtypes[i];
+        r->devices[i] = devices[i];
+        r->last_order[i] = -1;
+    }
+    /* Late parameters go after all others, each group in the given order. */
+    int k = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (int j = 0; j < nparams; j++) {
+            int p = order ? order[j] : nparams - 1 - j;
+            if ((late && late[p]) == pass) seq[k++] = p;
+        }
+    DDPC_CHECK_GOTO(assign_buckets(r, seq, late, first_bucket_bytes, bucket_cap_bytes, comm_dtype),
+                    st, fail);
+    int rc = pthread_mutex_init(&r->mu, NULL);
+    if (rc != 0) {
+        st = ddpc_error(DDPC_ERR_SYSTEM, "reducer: pthread_mutex_init failed: %s", strerror(rc));
+        goto fail;
+    }
+    DDPC_INFO("REDUCER", "rank %d: %d parameters in %d buckets (first %zu bytes, cap %zu bytes, "
+              "comm dtype %d)", ddpc_group_rank(g), nparams, r->nbuckets, first_bucket_bytes,
+              bucket_cap_bytes, comm_dtype);
+    free(seen);
+    free(seq);
+    *out = r;
+    return DDPC_OK;
+fail:
+    free(seen);
+    free(seq);
+    if (r) {
+        free(r->numels);
+        free(r->dtypes);
+        free(r->devices);
+        free(r->buckets);
+        free(r->bucket_params);
+        free(r->param_bucket);
+        free(r->param_offset);
+        free(r->ready);
+        free(r->ready_count);
+        free(r->seen);
+        free(r->last_order);
+        free(r->last_count);
+        free(r);
+    }
+    return st;
+}
+
+/* Waits for every collective still in flight and drops it; returns the first failure. */
+static ddpc_status drain(DdpcReducer *r) {
+    ddpc_status first = DDPC_OK;
+    char msg[1024] = "";
+    for (int b = 0; b < r->nbuckets; b++) {
+        Bucket *bk = &r->buckets[b];
+        if (!bk->work) continue;
+        ddpc_status st = ddpc_work_wait(bk->work);
+        if (st != DDPC_OK && first == DDPC_OK) {
+            first = st;
+            snprintf(msg, sizeof msg, "%s", ddpc_last_error());
+        }
+        ddpc_work_release(bk->work);
+        bk->work = NULL;
+    }
+    if (first != DDPC_OK) return ddpc_error(first, "%s", msg);
+    return DDPC_OK;
+}
+
+void ddpc_reducer_destroy(DdpcReducer *r) {
+    if (!r) return;
+    drain(r);
+    pthread_mutex_destroy(&r->mu);
+    free(r->numels);
+    free(r->dtypes);
+    free(r->devices);
+    free(r->buckets);
+    free(r->bucket_params);
+    free(r->param_bucket);
+    free(r->param_offset);
+    free(r->ready);
+    free(r->ready_count);
+    free(r->seen);
+    free(r->last_order);
+    free(r->last_count);
+    free(r);
+}
+
+int ddpc_reducer_num_buckets(const DdpcReducer *r) { return r->nbuckets; }
+
+static ddpc_status check_bucket(const DdpcReducer *r, int b) {
+    if (b < 0 || b >= r->nbuckets)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d does not exist (there are %d)", b,
+                          r->nbuckets);
+    return DDPC_OK;
+}
+
+static ddpc_status check_param(const DdpcReducer *r, int i) {
+    if (i < 0 || i >= r->nparams)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: parameter %d does not exist (there are %d)",
+                          i, r->nparams);
+    return DDPC_OK;
+}
+
+ddpc_status ddpc_reducer_bucket_info(const DdpcReducer *r, int b, ddpc_dtype *dtype, int *device,
+                                     size_t *count) {
+    DDPC_CHECK(check_bucket(r, b));
+    *dtype = r->buckets[b].dtype;
+    *device = r->buckets[b].device;
+    *count = r->buckets[b].count;
+    return DDPC_OK;
+}
+
+int ddpc_reducer_bucket_comm_dtype(const DdpcReducer *r, int b) {
+    return b >= 0 && b < r->nbuckets ? r->buckets[b].comm_dtype : -1;
+}
+
+ddpc_status ddpc_reducer_param_slot(const DdpcReducer *r, int i, int *bucket, size_t *offset) {
+    DDPC_CHECK(check_param(r, i));
+    *bucket = r->param_bucket[i];
+    *offset = r->param_offset[i];
+    return DDPC_OK;
+}
+
+ddpc_status ddpc_reducer_set_bucket_memory(DdpcReducer *r, int b, void *buf, void *comm_buf) {
+    DDPC_CHECK(check_bucket(r, b));
+    Bucket *bk = &r->buckets[b];
+    pthread_mutex_lock(&r->mu);
+    int busy = r->step_active && r->nseen > 0;
+    pthread_mutex_unlock(&r->mu);
+    if (busy)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d's memory cannot change during a "
+                          "backward pass", b);
+    if (bk->count && !buf)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d holds %zu elements but its buffer "
+                          "is NULL", b, bk->count);
+    if (bk->count && bk->comm_dtype >= 0 && !comm_buf)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d is reduced in %s and needs a "
+                          "second buffer of %zu elements of that dtype, got NULL", b,
+                          ddpc_dtype_name((ddpc_dtype)bk->comm_dtype), bk->count);
+    bk->buf = buf;
+    bk->comm_buf = bk->comm_dtype >= 0 ? comm_buf : NULL;
+    return DDPC_OK;
+}
+
+static void reset_step(DdpcReducer *r) {
+    memset(r->ready, 0, (size_t)r->nparams);
+    memset(r->ready_count, 0, (size_t)r->nparams * sizeof(int));
+    r->nseen = 0;
+    r->next_launch = 0;
+    for (int b = 0; b < r->nbuckets; b++) {
+        r->buckets[b].pending = r->buckets[b].nparams;
+        r->buckets[b].launched = 0;
+    }
+}
+
+ddpc_status ddpc_reducer_prepare(DdpcReducer *r) {
+    for (int b = 0; b < r->nbuckets; b++)
+        if (r->buckets[b].count && !r->buckets[b].buf)
+            return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d has no memory yet: call "
+                              "set_bucket_memory for every bucket before the first step", b);
+    pthread_mutex_lock(&r->mu);
+    int unfinished = r->step_active && (r->nseen > 0 || r->next_launch > 0);
+    int seen = r->nseen;
+    ddpc_status st = unfinished ? drain(r) : DDPC_OK;
+    reset_step(r);
+    r->step_active = 1;
+    pthread_mutex_unlock(&r->mu);
+    if (st != DDPC_OK)
+        return ddpc_error_prefix(st, "reducer: waiting for the collectives of an unfinished "
+                                 "backward pass: ");
+    if (unfinished)
+        return ddpc_error(DDPC_ERR_INVALID,
+                          "reducer: the previous backward pass did not finish: %d of %d "
+                          "parameters had their gradient ready, but the end-of-backward reduction "
+                          "never ran (the backward raised, or the loss did not depend on the "
+                          "wrapped model's output), so that step's gradients were not averaged. "
+                          "The reducer has been reset: zero the gradients and continue", seen,
+                          r->nparams);
+    return DDPC_OK;
+}
+
+static ddpc_status launch(DdpcReducer *r, int b, uintptr_t stream) {
+    Bucket *bk = &r->buckets[b];
+    bk->launched = 1;
+    if (!bk->count) return DDPC_OK;
+    void *wire = bk->buf;
+    ddpc_dtype dt = bk->dtype;
+    if (bk->comm_dtype >= 0) {
+        ddpc_dtype cdt = (ddpc_dtype)bk->comm_dtype;
+        if (bk->device < 0)
+            DDPC_CHECK(ddpc_convert_host(bk->comm_buf, cdt, bk->buf, bk->dtype, bk->count));
+        else
+            DDPC_CHECK(ddpc_device_cast(bk->comm_buf, cdt, bk->buf, bk->dtype, bk->count, 1.0f,
+                                        stream));
+        wire = bk->comm_buf;
+        dt = cdt;
+    }
+    DdpcCollArgs a = {
+        .op = DDPC_COLL_ALLREDUCE, .send = NULL, .recv = wire, .count = bk->count, .dtype = dt,
+        .redop = DDPC_AVG, .root = 0, .device = bk->device, .stream = stream,
+    };
+    ddpc_status st = ddpc_group_post(r->g, &a, &bk->work);
+    if (st != DDPC_OK)
+        return ddpc_error_prefix(st, "reducer: all_reduce of gradient bucket %d (%zu x %s): ", b,
+                                 bk->count, ddpc_dtype_name(dt));
+    DDPC_TRACE("REDUCER", "rank %d launched bucket %d (%zu x %s) as collective #%llu",
+               ddpc_group_rank(r->g), b, bk->count, ddpc_dtype_name(dt),
+               (unsigned long long)ddpc_work_seq(bk->work));
+    return DDPC_OK;
+}
+
+/* Launches buckets in index order while the next one is complete, so every rank posts the same
+ * collectives in the same order whatever order its gradients arrive in. */
+static ddpc_status launch_complete(DdpcReducer *r, uintptr_t stream) {
+    while (r->next_launch < r->nbuckets) {
+        Bucket *bk = &r->buckets[r->next_launch];
+        if (bk->late || bk->pending > 0) break;
+        DDPC_CHECK(launch(r, r->next_launch, stream));
+        r->next_launch++;
+    }
+    return DDPC_OK;
+}
+
+ddpc_status ddpc_reducer_mark_ready(DdpcReducer *r, int i, uintptr_t stream) {
+    DDPC_CHECK(check_param(r, i));
+    ddpc_status st = DDPC_OK;
+    pthread_mutex_lock(&r->mu);
+    Bucket *bk = &r->buckets[r->param_bucket[i]];
+    if (!r->step_active) {
+        st = ddpc_error(DDPC_ERR_INVALID, "reducer: parameter %d was marked ready outside a step "
+                        "(prepare was not called, or finalize already ran)", i);
+    } else if (r->ready[i]) {
+        r->ready_count[i]++;
+        if (bk->launched)
+            st = ddpc_error(DDPC_ERR_INVALID,
+                            "reducer: parameter %d received a gradient a second time in one "
+                            "backward pass after its bucket (%d) was already being reduced. Its "
+                            "gradient is accumulated more than once per backward (e.g. a weight "
+                            "reused in several reentrant checkpoint segments) although it was not "
+                            "in the first step, which decided the buckets", i,
+                            r->param_bucket[i]);
+    } else {
+        r->ready[i] = 1;
+        r->ready_count[i]++;
+        r->seen[r->nseen++] = i;
+        bk->pending--;
+        st = launch_complete(r, stream);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return st;
+}
+
+int ddpc_reducer_mark_would_launch(DdpcReducer *r, int i) {
+    if (i < 0 || i >= r->nparams) return 0;
+    pthread_mutex_lock(&r->mu);
+    const Bucket *bk = &r->buckets[r->param_bucket[i]];
+    int yes = r->step_active && !r->ready[i] && !bk->late && bk->pending == 1 &&
+              r->param_bucket[i] == r->next_launch;
+    pthread_mutex_unlock(&r->mu);
+    return yes;
+}
+
+int ddpc_reducer_unready(DdpcReducer *r, int *out) {
+    int n = 0;
+    pthread_mutex_lock(&r->mu);
+    for (int i = 0; i < r->nparams; i++)
+        if (!r->ready[i]) out[n++] = i;
+    pthread_mutex_unlock(&r->mu);
+    return n;
+}
+
+static ddpc_status zero_range(const Bucket *bk, size_t from, size_t to, uintptr_t stream) {
+    size_t esize = ddpc_dtype_size(bk->dtype);
+    char *p = (char *)bk->buf + from * esize;
+    size_t bytes = (to - from) * esize;
+    if (!bytes) return DDPC_OK;
+    if (bk->device < 0) {
+        memset(p, 0, bytes);
+        return DDPC_OK;
+    }
+    return ddpc_device_zero(p, bytes, stream);
+}
+
+/* Zeroes the slots of bk's parameters that never became ready, merging neighbours (the padding
+ * between them is zero already) into one range. */
+static ddpc_status zero_unready(DdpcReducer *r, Bucket *bk, uintptr_t stream, int *unused) {
+    size_t run_from = 0, run_to = 0;
+    int in_run = 0;
+    for (int j = 0; j < bk->nparams; j++) {
+        int p = r->bucket_params[bk->first + j];
+        if (r->ready[p]) {
+            if (in_run) DDPC_CHECK(zero_range(bk, run_from, run_to, stream));
+            in_run = 0;
+            continue;
+        }
+        (*unused)++;
+        if (!in_run) run_from = r->param_offset[p];
+        run_to = r->param_offset[p] + r->numels[p];
+        in_run = 1;
+    }
+    if (in_run) DDPC_CHECK(zero_range(bk, run_from, run_to, stream));
+    bk->pending = 0;
+    return DDPC_OK;
+}
+
+ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused) {
+    ddpc_status st = DDPC_OK;
+    int nunused = 0;
+    pthread_mutex_lock(&r->mu);
+    if (!r->step_active) {
+        st = ddpc_error(DDPC_ERR_INVALID, "reducer: finalize without a step in progress (prepare "
+                        "was not called, or finalize already ran)");
+        goto out;
+    }
+    for (int b = r->next_launch; b < r->nbuckets; b++)
+        if (r->buckets[b].pending > 0)
+            DDPC_CHECK_GOTO(zero_unready(r, &r->buckets[b], stream, &nunused), st, out);
+    for (; r->next_launch < r->nbuckets; r->next_launch++)
+        DDPC_CHECK_GOTO(launch(r, r->next_launch, stream), st, out);
+    for (int b = 0; b < r->nbuckets; b++) {
+        Bucket *bk = &r->buckets[b];
+        if (!bk->work) continue;
+        st = ddpc_work_wait_stream(bk->work, stream);
+        if (st != DDPC_OK) {
+            ddpc_error_prefix(st, "reducer: gradient bucket %d: ", b);
+            goto out;
+        }
+        if (bk->comm_dtype >= 0) {
+            ddpc_dtype cdt = (ddpc_dtype)bk->comm_dtype;
+            if (bk->device < 0)
+                st = ddpc_convert_host(bk->buf, bk->dtype, bk->comm_buf, cdt, bk->count);
+            else
+                st = ddpc_device_cast(bk->buf, bk->dtype, bk->comm_buf, cdt, bk->count, 1.0f,
+                                      stream);
+            if (st != DDPC_OK) goto out;
+        }
+        ddpc_work_release(bk->work);
+        bk->work = NULL;
+    }
+    for (int i = 0; i < r->nparams; i++) {
+        r->last_order[i] = i < r->nseen ? r->seen[i] : -1;
+        r->last_count[i] = r->ready_count[i];
+    }
+    r->step_active = 0;
+    DDPC_TRACE("REDUCER", "rank %d finished a step: %d of %d parameters unused",
+               ddpc_group_rank(r->g), nunused, r->nparams);
+out:
+    pthread_mutex_unlock(&r->mu);
+    if (unused) *unused = nunused;
+    return st;
+}
+
+ddpc_status ddpc_reducer_observed_order(const DdpcReducer *r, int *order, int *ready_count) {
+    DdpcReducer *m = (DdpcReducer *)r; /* the lock is not part of the logical state */
+    pthread_mutex_lock(&m->mu);
+    for (int i = 0; i < r->nparams; i++) {
+        if (order) order[i] = r->last_order[i];
+        if (ready_count) ready_count[i] = r->last_count[i];
+    }
+    pthread_mutex_unlock(&m->mu);
+    return DDPC_OK;
+}

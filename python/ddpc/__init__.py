@@ -38,3 +38,16 @@ from ddpc.distributed import (  # noqa: F401
 )
 
 __version__ = "0.1.0"
+
+_LAZY = {"wrap_model": "parallel", "unwrap": "parallel", "DistributedModel": "parallel",
+         "DistributedSampler": "sampler", "notebook_launcher": "notebook",
+         "WorkerError": "notebook"}
+
+
+def __getattr__(name):
+    # These may import torch or cloudpickle; loading them on first use keeps `import ddpc` light
+    # and torch-free for NumPy users.
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module("ddpc." + _LAZY[name]), name)
+    raise AttributeError(f"module 'ddpc' has no attribute {name!r}")

@@ -1,0 +1,290 @@
+"""One DDP training step, ddpc.wrap_model against torch DistributedDataParallel, in the same
+spawned processes: ms/step (median after warm-up; the variants take turns, two steps at a time),
+the ratio to torch DDP, the peak memory each variant adds to its process (RSS on cpu,
+torch.cuda.max_memory_allocated on cuda, measured while it is built and warmed up) and scaling
+efficiency (1-process ms / N-process ms at the same per-process batch).
+
+    python benchmarks/ddp_step.py --device cpu --nproc 2 --steps 10
+    python benchmarks/ddp_step.py --device cuda --nproc 2 --model gpt2 --p2p on
+"""
+import argparse
+import gc
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+
+MODELS = {
+    # layers, width, heads, vocab, seq, batch per process
+    "small": dict(layers=4, width=256, heads=4, vocab=8192, seq=128, batch=8),
+    "gpt2": dict(layers=12, width=768, heads=12, vocab=50304, seq=1024, batch=8),
+}
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = torch.nn.LayerNorm(width)
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.proj = torch.nn.Linear(width, width)
+        self.ln2 = torch.nn.LayerNorm(width)
+        self.fc = torch.nn.Linear(width, 4 * width)
+        self.fc2 = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(torch.nn.Module):
+    """GPT-2 shaped: learned positions, pre-norm blocks, output head tied to the embedding."""
+
+    def __init__(self, layers: int, width: int, heads: int, vocab: int, seq: int) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, width)
+        self.wpe = torch.nn.Embedding(seq, width)
+        self.blocks = torch.nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(width)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.ln_f(x) @ self.wte.weight.t()
+
+
+def mib_now(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2 ** 20
+    return _status_mib("VmRSS:")
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        # "5" resets the peak resident set size (VmHWM) of this process (Linux >= 4.0).
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def peak_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return _status_mib("VmHWM:")
+
+
+class Variant:
+    """One way of training the model: its own model and optimizer, stepped on demand."""
+
+    def __init__(self, name: str, make, single: bool = False) -> None:
+        self.name, self.make, self.single = name, make, single
+        self.times = []
+        self.mem = float("nan")
+
+    def build(self, cfg, args, device, rank) -> None:
+        """Creates model and optimizer and runs the warm-up steps; self.mem receives the peak
+        memory this variant added on top of what the process held before (MiB)."""
+        gc.collect()
+        before = mib_now(device)
+        peak_reset(device)
+        torch.manual_seed(0)
+        self.model = self.make()
+        fused = {"fused": True} if device.type == "cuda" else {}
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1, **fused)
+        self.gen = torch.Generator().manual_seed(1234 + rank)
+        self.cfg, self.device = cfg, device
+        for _ in range(args.warmup):
+            self.step(timed=False)
+        self.mem = peak_mib(device) - before
+
+    def step(self, timed: bool = True) -> None:
+        cfg, device = self.cfg, self.device
+        shape = (cfg["batch"], cfg["seq"])
+        x = torch.randint(0, cfg["vocab"], shape, generator=self.gen).to(device)
+        y = torch.randint(0, cfg["vocab"], shape, generator=self.gen).to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = self.model(x)
+        loss = F.cross_entropy(logits.float().view(-1, cfg["vocab"]), y.view(-1))
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if timed:
+            self.times.append((time.perf_counter() - t0) * 1e3)
+        if not math.isfinite(loss.item()):
+            raise RuntimeError(f"{self.name}: the loss is {loss.item()}")
+
+
+def worker(rank, args, ports, results):
+    try:
+        _worker(rank, args, ports, results)
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        raise
+
+
+def _worker(rank, args, ports, results):
+    os.environ.setdefault("DDPC_TOKEN", "ddp-step-benchmark")
+    if args.p2p == "off":
+        os.environ["NCCL_P2P_DISABLE"] = "1"
+    import torch.distributed as tdist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddpc
+
+    n = args.nproc
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+    backend = "nccl" if args.device == "cuda" else "cpu"
+    ddpc.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{ports[0]}",
+                            rank=rank, world_size=n)
+    tdist.init_process_group("nccl" if args.device == "cuda" else "gloo",
+                             init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=n,
+                             device_id=device if args.device == "cuda" else None)
+    cfg = MODELS[args.model]
+    ids = [rank] if args.device == "cuda" else None
+
+    def base():
+        return GPT(cfg["layers"], cfg["width"], cfg["heads"], cfg["vocab"], cfg["seq"]).to(device)
+
+    variants = [
+        Variant("1 process (no DDP)", base, single=True),
+        Variant("torch DDP", lambda: DDP(base(), device_ids=ids, bucket_cap_mb=25)),
+        Variant("torch DDP bucket_view+static", lambda: DDP(
+            base(), device_ids=ids, bucket_cap_mb=25, gradient_as_bucket_view=True,
+            static_graph=True)),
+        Variant("ddpc", lambda: ddpc.wrap_model(base())),
+        Variant("ddpc grad_dtype=bf16", lambda: ddpc.wrap_model(base(), grad_dtype=torch.bfloat16)),
+    ]
+    # The single-process baseline runs on rank 0 while the others wait at a barrier.
+    for v in variants:
+        if not v.single or rank == 0:
+            v.build(cfg, args, device, rank)
+        if v.single:
+            tdist.barrier()
+    # Timing in rounds that cycle through the variants, so load from outside this benchmark
+    # (other jobs on a shared machine) falls on all of them alike.
+    per_round = 2
+    for _ in range((args.steps + per_round - 1) // per_round):
+        for v in variants:
+            if not v.single or rank == 0:
+                for _ in range(per_round):
+                    v.step()
+            if v.single:
+                tdist.barrier()
+    mine = [(v.name, statistics.median(v.times) if v.times else None, v.mem) for v in variants]
+    gathered = [None] * n
+    tdist.all_gather_object(gathered, mine)
+    rows = []
+    for k, v in enumerate(variants):
+        if v.single:
+            rows.append(gathered[0][k])
+        else:
+            rows.append((v.name, max(g[k][1] for g in gathered), max(g[k][2] for g in gathered)))
+    results.put((rank, "ok", rows))
+    tdist.destroy_process_group()
+    ddpc.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (cpu 10, cuda 30)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--model", choices=sorted(MODELS), default=None,
+                    help="small (cpu default) or gpt2 (cuda default)")
+    ap.add_argument("--p2p", choices=["on", "off"], default="on",
+                    help="off sets NCCL_P2P_DISABLE=1 (cuda only)")
+    args = ap.parse_args()
+    if args.nproc < 1:
+        ap.error(f"--nproc must be >= 1, got {args.nproc}")
+    args.steps = args.steps or (30 if args.device == "cuda" else 10)
+    args.model = args.model or ("gpt2" if args.device == "cuda" else "small")
+    if args.device == "cuda":
+        if not torch.cuda.is_available() or torch.cuda.device_count() < args.nproc:
+            print(f"--device cuda --nproc {args.nproc} needs {args.nproc} visible GPUs, found "
+                  f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}",
+                  file=sys.stderr)
+            return 2
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    ports = (free_port(), free_port())
+    procs = [ctx.Process(target=worker, args=(r, args, ports, results)) for r in range(args.nproc)]
+    for p in procs:
+        p.start()
+    rows, failed = None, []
+    for _ in range(args.nproc):
+        rank, status, value = results.get()
+        if status != "ok":
+            failed.append((rank, value))
+            break
+        if rank == 0:
+            rows = value
+    for p in procs:
+        p.join(timeout=30 if failed else None)
+        if p.is_alive():
+            p.kill()
+    if failed:
+        for rank, tb in failed:
+            print(f"rank {rank} failed:\n{tb}", file=sys.stderr)
+        return 1
+    cfg = MODELS[args.model]
+    print(f"model {args.model}: {cfg['layers']} layers, width {cfg['width']}, vocab {cfg['vocab']}, "
+          f"seq {cfg['seq']}, batch {cfg['batch']} per process; device {args.device}, "
+          f"{args.nproc} processes, {args.steps} timed steps after {args.warmup} warm-up"
+          + (f", p2p {args.p2p}" if args.device == "cuda" else "")
+          + (", bf16 autocast, fused AdamW" if args.device == "cuda" else ", fp32, AdamW"))
+    mem_name = "+max_memory_allocated" if args.device == "cuda" else "+peak RSS"
+    ref = next(ms for name, ms, _ in rows if name == "torch DDP")
+    single = next((ms for name, ms, _ in rows if name.startswith("1 process")), None)
+    print(f"{'variant':32s} {'ms/step':>9s} {'vs torch DDP':>13s} {'scaling eff.':>13s} "
+          f"{mem_name + ' MiB':>26s}")
+    for name, ms, mem in rows:
+        eff = f"{single / ms:13.2f}" if single and not name.startswith("1 process") else " " * 13
+        print(f"{name:32s} {ms:9.1f} {ms / ref:13.2f} {eff} {mem:26.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+/* cuda.c: device discovery and binding for the CUDA runtime (linked statically), plus what a
+ * CPU-only build (DDPC_NO_CUDA=1 or no toolkit) answers instead: no devices, and a message that
+ * says how to get a build with CUDA. */
+#include <stdlib.h>
+
+#include "common.h"
+
+#define DDPC_NO_CUDA_HINT                                                                       \
+    "this build of ddpc has no CUDA support (it was built with DDPC_NO_CUDA=1 or without the "  \
+    "CUDA toolkit): install the toolkit (nvcc on PATH or CUDA_HOME set), unset DDPC_NO_CUDA and " \
+    "rebuild with `pip install --no-build-isolation -e .`; the cpu backend works without it"
+
+#ifdef DDPC_WITH_CUDA
+
+int ddpc_cuda_built(void) { return 1; }
+
+int ddpc_cuda_device_count(void) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        /* No driver (cudaErrorInsufficientDriver) or no device (cudaErrorNoDevice) is a normal
+         * answer on a CPU machine, not a failure; clear it so later calls do not see it. */
+        (void)cudaGetLastError();
+        DDPC_INFO("CUDA", "no usable CUDA device: %s (%s)", cudaGetErrorName(e),
+                  cudaGetErrorString(e));
+        return 0;
+    }
+    return n;
+}
+
+ddpc_status ddpc_cuda_set_device(int dev) {
+    int n = ddpc_cuda_device_count();
+    if (n == 0) {
+        const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+        return ddpc_error(DDPC_ERR_UNAVAILABLE,
+                          "no CUDA device is visible to this process (no GPU, no NVIDIA driver, or "
+                          "CUDA_VISIBLE_DEVICES=%s hides them all): run `python -m ddpc.doctor`, "
+                          "or use the cpu backend",
+                          vis ? vis : "<unset>");
+    }
+    if (dev < 0 || dev >= n)
+        return ddpc_error(DDPC_ERR_INVALID,
+                          "CUDA device %d does not exist: %d device%s visible (ordinals 0..%d, "
+                          "after CUDA_VISIBLE_DEVICES); give each process one ordinal, usually "
+                          "LOCAL_RANK",
+                          dev, n, n == 1 ? " is" : "s are", n - 1);
+    DDPC_CUDACHECK(cudaSetDevice(dev));
+    return DDPC_OK;
+}
+
+#else /* !DDPC_WITH_CUDA */
+
+int ddpc_cuda_built(void) { return 0; }
+
+int ddpc_cuda_device_count(void) { return 0; }
+
+ddpc_status ddpc_cuda_set_device(int dev) {
+    return ddpc_error(DDPC_ERR_UNAVAILABLE, "cannot bind CUDA device %d: " DDPC_NO_CUDA_HINT, dev);
+}
+
+/* In a CUDA build these live in kernels.cu. */
+ddpc_status ddpc_device_zero(void *ptr, size_t bytes, uintptr_t stream) {
+    (void)ptr;
+    (void)stream;
+    return ddpc_error(DDPC_ERR_UNAVAILABLE, "cannot zero %zu bytes of device memory: "
+                      DDPC_NO_CUDA_HINT, bytes);
+}
+
+ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
+                             size_t n, float scale, uintptr_t stream) {
+    (void)dst;
+    (void)src;
+    (void)scale;
+    (void)stream;
+    return ddpc_error(DDPC_ERR_UNAVAILABLE, "cannot cast %zu elements from %s to %s on a device: "
+                      DDPC_NO_CUDA_HINT, n, ddpc_dtype_name(src_dt), ddpc_dtype_name(dst_dt));
+}
+
+#endif

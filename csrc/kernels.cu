@@ -1,0 +1,180 @@
+/* kernels.cu: CUDA kernels of the core: zeroing, and a cast with a scale between the float dtypes
+ * (the reducer's bfloat16/float16 wire format, and the divide of an average). Each `_kernel` has a
+ * plain launcher that owns the geometry and checks the launch with cudaGetLastError. */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <type_traits>
+
+#include "common.h"
+
+namespace {
+
+constexpr int kBlock = 256;
+/* Grid-stride loops cover any n; more blocks than this only add scheduling work. */
+constexpr size_t kMaxGrid = 65536;
+/* Elements per thread and iteration on the vectorized path (16 bytes of float32). */
+constexpr int kVec = 4;
+
+size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+
+/* Half types compute in float; anything that touches float64 computes in double. */
+template <typename Dst, typename Src>
+using acc_t = typename std::conditional<std::is_same<Dst, double>::value ||
+                                            std::is_same<Src, double>::value,
+                                        double, float>::type;
+
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> struct Convert;
+template <> struct Convert<float> {
+    template <typename A> __device__ static float from(A v) { return static_cast<float>(v); }
+};
+template <> struct Convert<double> {
+    template <typename A> __device__ static double from(A v) { return static_cast<double>(v); }
+};
+/* A double result rounds once, straight to the half type: going through float would round
+ * twice, and the compiler may fuse the two conversions anyway. */
+template <> struct Convert<__half> {
+    __device__ static __half from(float v) { return __float2half_rn(v); }
+    __device__ static __half from(double v) { return __double2half(v); }
+};
+template <> struct Convert<__nv_bfloat16> {
+    __device__ static __nv_bfloat16 from(float v) { return __float2bfloat16_rn(v); }
+    __device__ static __nv_bfloat16 from(double v) { return __double2bfloat16(v); }
+};
+
+template <typename Dst, typename Src>
+__device__ __forceinline__ Dst cast_one(Src x, acc_t<Dst, Src> scale) {
+    return Convert<Dst>::from(static_cast<acc_t<Dst, Src>>(to_acc(x)) * scale);
+}
+
+/* kVec elements moved as one aligned load or store. */
+template <typename T> struct alignas(sizeof(T) * kVec) Pack {
+    T v[kVec];
+};
+
+/* dst and src may be the same array (an in-place scale): each element is read and written by the
+ * same thread, so no __restrict__. */
+template <typename Dst, typename Src>
+__global__ void cast_scale_kernel(Dst *dst, const Src *src, size_t n, acc_t<Dst, Src> scale) {
+    size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        dst[i] = cast_one<Dst, Src>(src[i], scale);
+}
+
+/* Both arrays aligned to a Pack: whole packs first, then the n % kVec tail elements by the first
+ * threads of the grid. */
+template <typename Dst, typename Src>
+__global__ void cast_scale_vec_kernel(Dst *dst, const Src *src, size_t n,
+                                      acc_t<Dst, Src> scale) {
+    size_t npack = n / kVec;
+    size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    size_t stride = (size_t)gridDim.x * blockDim.x;
+    const Pack<Src> *in = reinterpret_cast<const Pack<Src> *>(src);
+    Pack<Dst> *out = reinterpret_cast<Pack<Dst> *>(dst);
+    for (size_t i = tid; i < npack; i += stride) {
+        Pack<Src> a = in[i];
+        Pack<Dst> b;
+#pragma unroll
+        for (int k = 0; k < kVec; k++) b.v[k] = cast_one<Dst, Src>(a.v[k], scale);
+        out[i] = b;
+    }
+    size_t tail = npack * kVec + tid;
+    if (tail < n) dst[tail] = cast_one<Dst, Src>(src[tail], scale);
+}
+
+template <typename Dst, typename Src>
+ddpc_status cast_launch(void *dst, const void *src, size_t n, float scale, cudaStream_t stream,
+                        const char *what) {
+    using A = acc_t<Dst, Src>;
+    bool vec = reinterpret_cast<uintptr_t>(dst) % alignof(Pack<Dst>) == 0 &&
+               reinterpret_cast<uintptr_t>(src) % alignof(Pack<Src>) == 0;
+    /* The vectorized kernel needs at least n % kVec threads for the tail: one block has them. */
+    size_t threads = vec ? n / kVec : n;
+    size_t grid = threads ? ceil_div(threads, kBlock) : 1;
+    if (grid > kMaxGrid) grid = kMaxGrid;
+    if (vec)
+        cast_scale_vec_kernel<Dst, Src><<<(unsigned)grid, kBlock, 0, stream>>>(
+            static_cast<Dst *>(dst), static_cast<const Src *>(src), n, static_cast<A>(scale));
+    else
+        cast_scale_kernel<Dst, Src><<<(unsigned)grid, kBlock, 0, stream>>>(
+            static_cast<Dst *>(dst), static_cast<const Src *>(src), n, static_cast<A>(scale));
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return ddpc_error(DDPC_ERR_CUDA,
+                          "launching the %s cast of %zu elements (grid %zu x %d, %s) failed: %s "
+                          "(%s); the stream must belong to the current device (%s:%d)",
+                          what, n, grid, kBlock, vec ? "vectorized" : "scalar",
+                          cudaGetErrorName(e), cudaGetErrorString(e), __FILE__, __LINE__);
+    return DDPC_OK;
+}
+
+template <typename Dst>
+ddpc_status cast_from(void *dst, const void *src, ddpc_dtype src_dt, size_t n, float scale,
+                      cudaStream_t stream, const char *what) {
+    switch (src_dt) {
+    case DDPC_FLOAT32: return cast_launch<Dst, float>(dst, src, n, scale, stream, what);
+    case DDPC_FLOAT64: return cast_launch<Dst, double>(dst, src, n, scale, stream, what);
+    case DDPC_FLOAT16: return cast_launch<Dst, __half>(dst, src, n, scale, stream, what);
+    case DDPC_BFLOAT16: return cast_launch<Dst, __nv_bfloat16>(dst, src, n, scale, stream, what);
+    default: break;
+    }
+    return ddpc_error(DDPC_ERR_INVALID, "device cast %s: unsupported source dtype", what);
+}
+
+bool is_float_dtype(ddpc_dtype dt) {
+    return dt == DDPC_FLOAT32 || dt == DDPC_FLOAT64 || dt == DDPC_FLOAT16 || dt == DDPC_BFLOAT16;
+}
+
+} // namespace
+
+ddpc_status ddpc_device_zero(void *ptr, size_t bytes, uintptr_t stream) {
+    if (bytes == 0) return DDPC_OK;
+    if (!ptr)
+        return ddpc_error(DDPC_ERR_INVALID, "ddpc_device_zero: NULL pointer for %zu bytes", bytes);
+    DDPC_CUDACHECK(cudaMemsetAsync(ptr, 0, bytes, reinterpret_cast<cudaStream_t>(stream)));
+    return DDPC_OK;
+}
+
+ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
+                             size_t n, float scale, uintptr_t stream) {
+    char what[64];
+    snprintf(what, sizeof what, "%s -> %s", ddpc_dtype_name(src_dt), ddpc_dtype_name(dst_dt));
+    if (!is_float_dtype(dst_dt) || !is_float_dtype(src_dt))
+        return ddpc_error(DDPC_ERR_INVALID,
+                          "device cast %s: only float32, float64, float16 and bfloat16 are "
+                          "supported",
+                          what);
+    if (n == 0) return DDPC_OK;
+    if (!dst || !src)
+        return ddpc_error(DDPC_ERR_INVALID, "device cast %s of %zu elements: %s pointer is NULL",
+                          what, n, !dst ? "the destination" : "the source");
+    size_t dst_bytes = n * ddpc_dtype_size(dst_dt), src_bytes = n * ddpc_dtype_size(src_dt);
+    uintptr_t d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
+    /* In place is fine when every element stays where it is; any other overlap would let one
+     * thread overwrite an element another thread has not read yet. */
+    if (d == s ? dst_bytes != src_bytes : (d < s + src_bytes && s < d + dst_bytes))
+        return ddpc_error(DDPC_ERR_INVALID,
+                          "device cast %s of %zu elements: source and destination overlap; they "
+                          "must be the same array of an equally wide dtype, or disjoint",
+                          what, n);
+    cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+    if (dst_dt == src_dt && scale == 1.0f) {
+        if (d != s) DDPC_CUDACHECK(cudaMemcpyAsync(dst, src, dst_bytes, cudaMemcpyDeviceToDevice, st));
+        return DDPC_OK;
+    }
+    switch (dst_dt) {
+    case DDPC_FLOAT32: return cast_from<float>(dst, src, src_dt, n, scale, st, what);
+    case DDPC_FLOAT64: return cast_from<double>(dst, src, src_dt, n, scale, st, what);
+    case DDPC_FLOAT16: return cast_from<__half>(dst, src, src_dt, n, scale, st, what);
+    case DDPC_BFLOAT16: return cast_from<__nv_bfloat16>(dst, src, src_dt, n, scale, st, what);
+    default: break;
+    }
+    return ddpc_error(DDPC_ERR_INVALID, "device cast %s: unsupported destination dtype", what);
+}

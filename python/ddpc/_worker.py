@@ -1,0 +1,111 @@
+"""The process ddpc.launch starts for each rank: `python -m ddpc._worker script.py args...` or
+`python -m ddpc._worker -m module args...`. It runs the target like `python script.py` would, and
+on an uncaught exception writes a JSON error report to $DDPC_ERROR_FILE for the launcher."""
+import ctypes
+import json
+import os
+import runpy
+import signal
+import socket
+import sys
+import time
+import traceback
+from types import TracebackType
+from typing import Any, Callable
+
+# Linux prctl option: deliver a signal to this process when the parent (the launcher) dies.
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Asks the kernel to SIGKILL this process when the process that started it dies, so a
+    launcher (or notebook kernel) that is itself killed with SIGKILL leaves no orphan ranks.
+    DDPC_PARENT_PID closes the race where the parent died before prctl took effect."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return  # best effort: without it we only lose protection against a killed launcher
+    except (OSError, AttributeError):
+        return
+    expected = os.environ.get("DDPC_PARENT_PID", "")
+    if expected.isdigit() and os.getppid() != int(expected):
+        os._exit(128 + int(signal.SIGKILL))
+
+
+def user_traceback(tb: TracebackType | None) -> TracebackType | None:
+    """Drops the leading frames that belong to this module and runpy, so the traceback starts at
+    the user's code exactly as `python script.py` would print it."""
+    skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    while tb is not None:  # may end at None: a SyntaxError in the script has no frame of its own
+        filename = tb.tb_frame.f_code.co_filename
+        if filename not in skip and os.path.abspath(filename) not in skip:
+            break
+        tb = tb.tb_next
+    return tb
+
+
+def _trimming_hook(hook: Callable[..., Any]) -> Callable[..., None]:
+    """Wraps sys.excepthook so an uncaught exception prints as under `python script.py`,
+    without this wrapper's frames; the interpreter still does the exiting (status 1, or death
+    by SIGINT for KeyboardInterrupt) as usual."""
+    def excepthook(exc_type: type[BaseException], exc: BaseException | None,
+                   tb: TracebackType | None) -> None:
+        tb = user_traceback(tb)
+        if exc is not None:
+            exc.__traceback__ = tb  # the default hook prints this, not its tb argument
+        hook(exc_type, exc, tb)
+    return excepthook
+
+
+def write_error_file(path: str, exc: BaseException, tb: TracebackType | None) -> None:
+    """Writes the error report atomically (temp file + rename), so the launcher never reads half
+    of one. A failure to write is reported on stderr but never hides the user's exception."""
+    report = {
+        "rank": int(os.environ.get("RANK", "-1")),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "-1")),
+        "pid": os.getpid(),
+        "hostname": socket.gethostname(),
+        "exception_type": type(exc).__qualname__ if type(exc).__module__ == "builtins"
+        else f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, tb)),
+        "timestamp": time.time(),
+    }
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(report, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"ddpc._worker: could not write the error file {path}: {e}", file=sys.stderr)
+
+
+def main(argv: list[str]) -> None:
+    """Runs `script args...` or `-m module args...` as __main__ with the usual sys.argv/sys.path."""
+    if not argv or (argv[0] == "-m" and len(argv) < 2):
+        raise SystemExit("usage: python -m ddpc._worker (script.py | -m module) [args...]")
+    die_with_parent()
+    sys.excepthook = _trimming_hook(sys.excepthook)
+    error_file = os.environ.get("DDPC_ERROR_FILE", "")
+    try:
+        if argv[0] == "-m":
+            # `python -m` semantics: sys.path[0] is the working directory (already so, because
+            # this module was itself started with -m); run_module fixes sys.argv[0].
+            sys.argv = [argv[1]] + argv[2:]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = argv[0]
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(script))
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise  # exit codes pass through unchanged; a non-zero one shows the script's own stderr
+    except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised unchanged
+        if error_file:
+            write_error_file(error_file, exc, user_traceback(exc.__traceback__))
+        raise
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

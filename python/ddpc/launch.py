@@ -1,0 +1,803 @@
+"""python -m ddpc.launch: starts one process per rank with torchrun's environment variables,
+prefixes their output with the rank, watches them, and on the first failure stops the rest and
+says which rank failed and why (its Python traceback, exit code or signal)."""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextvars
+import dataclasses
+import importlib.util
+import json
+import os
+import secrets
+import select
+import shutil
+import signal
+import site
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any, Callable, Sequence
+
+DEFAULT_MASTER_PORT = 29500  # torchrun's default, so multi-node firewall rules carry over
+TAIL_LINES = 20              # stderr lines kept per rank for the failure summary
+PARTIAL_FLUSH_S = 1.0        # a line without newline is shown after this long without output
+MAX_LINE = 64 * 1024         # longer lines are cut into pieces rather than held in memory
+OUTPUT_JOIN_S = 2.0          # how long to wait for the last output after the processes exit
+
+SIGNAL_HINTS = {
+    "SIGKILL": "likely the out-of-memory killer: check dmesg / lower the batch size",
+    "SIGBUS": "often a full /dev/shm: check df -h /dev/shm (docker: --shm-size)",
+    "SIGSEGV": "a crash in native code: rerun with DDPC_DEBUG=1 or under gdb",
+    "SIGABRT": "a native library aborted: its message is in the stderr lines above",
+}
+
+
+# ------------------------------------------------------------------------------------ GPUs
+
+@dataclasses.dataclass
+class GpuInfo:
+    """One physical GPU as nvidia-smi reports it (indices ignore CUDA_VISIBLE_DEVICES)."""
+    index: int
+    bus_id: str
+    uuid: str
+    name: str
+    free_mib: int
+    total_mib: int
+    pids: list[int] = dataclasses.field(default_factory=list)
+
+    def describe(self) -> str:
+        return (f"GPU {self.index} ({self.bus_id}, {self.name}, "
+                f"{self.free_mib / 1024:.1f} of {self.total_mib / 1024:.1f} GiB free)")
+
+
+def parse_gpu_csv(text: str) -> list[GpuInfo]:
+    """Parses `nvidia-smi --query-gpu=index,pci.bus_id,uuid,name,memory.free,memory.total
+    --format=csv,noheader,nounits`."""
+    gpus = []
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 6:
+            continue
+        index, bus_id, gpu_uuid, name, free, total = fields
+        gpus.append(GpuInfo(int(index), bus_id, gpu_uuid, name, _mib(free), _mib(total)))
+    return gpus
+
+
+def parse_apps_csv(text: str) -> dict[str, list[int]]:
+    """Parses `nvidia-smi --query-compute-apps=gpu_uuid,pid --format=csv,noheader,nounits`
+    into {gpu uuid: [pid, ...]}."""
+    apps: dict[str, list[int]] = {}
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) >= 2 and fields[1].isdigit():
+            apps.setdefault(fields[0], []).append(int(fields[1]))
+    return apps
+
+
+def _mib(field: str) -> int:
+    try:
+        return int(float(field))
+    except ValueError:  # "[N/A]" on some MIG and virtual GPUs
+        return 0
+
+
+def query_gpus() -> list[GpuInfo]:
+    """The machine's physical GPUs with free memory and the compute processes on each.
+    Raises RuntimeError when nvidia-smi is missing or fails."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        raise RuntimeError("nvidia-smi was not found on PATH, so the physical GPUs cannot be "
+                           "listed (install the NVIDIA driver utilities, or pass no --gpus)")
+
+    def run(query: str) -> str:
+        try:
+            res = subprocess.run([smi, query, "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise RuntimeError(f"{smi} {query} failed: {e}") from e
+        if res.returncode != 0:
+            raise RuntimeError(f"{smi} {query} exited with {res.returncode}: "
+                               f"{(res.stderr or res.stdout).strip()}")
+        return res.stdout
+
+    gpus = parse_gpu_csv(run("--query-gpu=index,pci.bus_id,uuid,name,memory.free,memory.total"))
+    apps = parse_apps_csv(run("--query-compute-apps=gpu_uuid,pid"))
+    for g in gpus:
+        g.pids = apps.get(g.uuid, [])
+    return gpus
+
+
+def visible_gpu_count() -> int:
+    """CUDA devices this process may use (honours CUDA_VISIBLE_DEVICES); 0 when the extension
+    is missing or was built without CUDA."""
+    try:
+        from ddpc import _C
+    except ImportError:
+        return 0
+    return int(_C.cuda_device_count())
+
+
+def parse_gpu_list(spec: str) -> list[int]:
+    """'2,3' -> [2, 3]; raises ValueError on anything else."""
+    parts = [p.strip() for p in spec.split(",")]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ValueError(f"expected 'auto' or comma-separated GPU indices such as 2,3; "
+                         f"got {spec!r}")
+    indices = [int(p) for p in parts]
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"GPU indices must be distinct; got {spec!r}")
+    return indices
+
+
+@dataclasses.dataclass
+class DevicePlan:
+    """How many ranks this node runs and which GPU each one gets."""
+    nproc: int
+    cuda_visible_devices: str | None        # set for the workers when GPUs were chosen
+    rank_gpus: list[GpuInfo | None]          # per local rank; None: unknown or no GPU
+    notes: list[str]
+
+
+def plan_devices(gpus: str | None, nproc: int | None,
+                 gpu_count: Callable[[], int] = visible_gpu_count) -> DevicePlan:
+    """Resolves --gpus and --nproc-per-node (None meaning one rank per visible GPU, else 1).
+    gpu_count counts the visible GPUs (a caller that must not touch CUDA itself passes one that
+    asks a subprocess). Raises ValueError with a message for the user when the request cannot
+    be met."""
+    if gpus is None:
+        count = gpu_count()
+        n = nproc if nproc is not None else max(count, 1)
+        notes = []
+        if 0 < count < n:
+            notes.append(f"{n} ranks but {count} visible GPUs: local ranks {count}..{n - 1} "
+                         f"have no GPU of their own")
+        return DevicePlan(n, None, _visible_gpu_infos(min(count, n)) + [None] * (n - count),
+                          notes)
+    if gpus == "auto":
+        try:
+            physical = query_gpus()
+        except RuntimeError as e:
+            raise ValueError(f"auto needs nvidia-smi: {e}") from e
+        if not physical:
+            raise ValueError("auto: nvidia-smi lists no GPUs on this machine")
+        idle = sorted((g for g in physical if not g.pids), key=lambda g: -g.free_mib)
+        n = nproc if nproc is not None else len(idle)
+        if n == 0 or len(idle) < n:
+            busy = "; ".join(f"GPU {g.index}: pids {', '.join(map(str, g.pids))}"
+                             for g in physical if g.pids)
+            raise ValueError(f"auto: {n or 'any'} idle GPU(s) needed but only {len(idle)} of "
+                             f"{len(physical)} have no other processes ({busy}); stop those "
+                             f"processes or pass the indices, e.g. --gpus 0,1")
+        chosen = sorted(idle[:n], key=lambda g: g.index)
+        return DevicePlan(n, ",".join(str(g.index) for g in chosen), list(chosen), [])
+    indices = parse_gpu_list(gpus)
+    if nproc is not None and nproc != len(indices):
+        raise ValueError(f"{gpus} lists {len(indices)} GPU(s) but --nproc-per-node is {nproc}; "
+                         f"each rank needs one GPU of its own (leave out --nproc-per-node)")
+    try:
+        by_index = {g.index: g for g in query_gpus()}
+    except RuntimeError:
+        # Without nvidia-smi the CUDA count is physical only while nothing narrows it.
+        if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+            raise ValueError(f"{gpus}: nvidia-smi is not available and CUDA_VISIBLE_DEVICES is "
+                             f"set, so physical indices cannot be checked; unset "
+                             f"CUDA_VISIBLE_DEVICES or install nvidia-smi") from None
+        by_index = {i: None for i in range(gpu_count())}
+    missing = [i for i in indices if i not in by_index]
+    if missing:
+        present = ", ".join(map(str, sorted(by_index))) or "none"
+        raise ValueError(f"GPU index {missing[0]} is not present on this machine "
+                         f"(GPUs present: {present})")
+    return DevicePlan(len(indices), ",".join(map(str, indices)),
+                      [by_index[i] for i in indices], [])
+
+
+def _visible_gpu_infos(n: int) -> list[GpuInfo | None]:
+    """nvidia-smi details of visible devices 0..n-1, mapped through CUDA_VISIBLE_DEVICES when it
+    holds indices or UUIDs; None where the mapping is unknown (or nvidia-smi is missing)."""
+    if n == 0:
+        return []
+    try:
+        physical = query_gpus()
+    except RuntimeError:
+        return [None] * n
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        order: list[GpuInfo | None] = list(physical)
+    else:
+        by_key = {str(g.index): g for g in physical} | {g.uuid: g for g in physical}
+        order = [by_key.get(k.strip()) for k in visible.split(",") if k.strip()]
+    return (order + [None] * n)[:n]
+
+
+# ------------------------------------------------------------------------------ processes
+
+@dataclasses.dataclass
+class Worker:
+    """One rank's process. `proc` is a subprocess.Popen or anything with pid, stdout, stderr
+    (binary pipes), wait() and returncode; it leads its own process group."""
+    rank: int
+    local_rank: int
+    proc: Any
+    error_file: str | None = None
+    tail: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    threads: list[threading.Thread] = dataclasses.field(default_factory=list)
+    returncode: int | None = None
+    exited_at: float | None = None
+    signalled: int | None = None   # the last signal the launcher sent this rank
+
+    def error_report(self) -> dict | None:
+        """The JSON report the worker wrote on an uncaught exception, or None."""
+        if not self.error_file:
+            return None
+        try:
+            with open(self.error_file, encoding="utf-8") as f:
+                report = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return report if isinstance(report, dict) else None
+
+
+Sink = Callable[[Worker, str, bytes], None]
+
+
+def terminal_view(line: bytes) -> bytes:
+    """What a terminal shows of a line with carriage returns (progress bars): its last
+    non-empty \\r-separated piece, so the rank prefix is not overwritten."""
+    if b"\r" not in line:
+        return line
+    pieces = [p for p in line.split(b"\r") if p]
+    return pieces[-1] if pieces else b""
+
+
+def pump(pipe: Any, on_line: Callable[[bytes], None]) -> None:
+    """Reads a pipe until EOF and calls on_line for each line (without the newline). A partial
+    line is passed on once it has waited PARTIAL_FLUSH_S for its newline (so prompts and
+    \r-progress bars show, about once a second), or when it reaches MAX_LINE bytes."""
+    fd = pipe.fileno()
+    buf = b""
+    since = 0.0  # when the partial line in buf began
+    continued = False  # part of the current line was already passed on
+    while True:
+        wait = None if not buf else max(0.0, since + PARTIAL_FLUSH_S - time.monotonic())
+        try:
+            ready, _, _ = select.select([fd], [], [], wait)
+        except (OSError, ValueError):
+            break  # the pipe was closed under us: finish with what we have
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            had_partial = bool(buf)
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                if not (continued and not terminal_view(line)):  # a bare end of a shown line
+                    on_line(line)
+                continued = False
+            if buf and (lines or not had_partial):
+                since = time.monotonic()
+            while len(buf) >= MAX_LINE:
+                on_line(buf[:MAX_LINE])
+                buf = buf[MAX_LINE:]
+        if buf and time.monotonic() - since >= PARTIAL_FLUSH_S:
+            on_line(buf)
+            buf = b""
+            continued = True
+    if buf:
+        on_line(buf)
+
+
+class WorkerGroup:
+    """The ranks of one attempt: their output is pumped to `sink` line by line, their exits are
+    recorded in order, and they are stopped together (whole process groups, so grandchildren
+    such as data-loader workers go too)."""
+
+    def __init__(self, sink: Sink, timeout_kill: float) -> None:
+        self.sink = sink
+        self.timeout_kill = timeout_kill
+        self.workers: list[Worker] = []
+        self.changed = threading.Condition()
+        self.finished = False
+
+    def add(self, worker: Worker) -> None:
+        """Starts the output readers and the exit waiter of a started process."""
+        self.workers.append(worker)
+        for name in ("stdout", "stderr"):
+            pipe = getattr(worker.proc, name)
+            if pipe is not None:
+                # Each reader runs in a copy of the caller's context: Jupyter routes output by a
+                # context variable, so lines land in the cell that started the ranks.
+                ctx = contextvars.copy_context()
+                t = threading.Thread(target=ctx.run,
+                                     args=(pump, pipe, self._line_handler(worker, name)),
+                                     name=f"ddpc-rank{worker.rank}-{name}", daemon=True)
+                t.start()
+                worker.threads.append(t)
+        threading.Thread(target=self._wait, args=(worker,), name=f"ddpc-rank{worker.rank}-wait",
+                         daemon=True).start()
+
+    def _line_handler(self, worker: Worker, stream: str) -> Callable[[bytes], None]:
+        def on_line(line: bytes) -> None:
+            line = terminal_view(line)
+            if stream == "stderr":
+                worker.tail.append(line.decode("utf-8", "replace"))
+            self.sink(worker, stream, line)
+        return on_line
+
+    def _wait(self, worker: Worker) -> None:
+        rc = worker.proc.wait()
+        with self.changed:
+            # exited_at first: readers that skip the lock may see a returncode at any moment.
+            worker.exited_at = time.monotonic()
+            worker.returncode = rc
+            self.changed.notify_all()
+
+    def running(self) -> list[Worker]:
+        return [w for w in self.workers if w.returncode is None]
+
+    def failures(self) -> list[Worker]:
+        """Ranks that exited non-zero, in the order they exited."""
+        failed = [w for w in self.workers if w.returncode not in (None, 0)]
+        return sorted(failed, key=lambda w: (w.exited_at, w.rank))
+
+    def wait_change(self, timeout: float) -> None:
+        """Returns when a rank exits or after `timeout` seconds (signal handlers run meanwhile)."""
+        with self.changed:
+            self.changed.wait(timeout)
+
+    def signal_all(self, sig: int) -> None:
+        """Sends sig to the process group of every rank still running."""
+        for w in self.running():
+            w.signalled = sig
+            _killpg(w.proc.pid, sig)
+
+    def stop(self, first_signal: int = signal.SIGTERM,
+             escalate: Callable[[], bool] | None = None) -> None:
+        """Sends first_signal to every running rank, then SIGKILL to those still running after
+        timeout_kill seconds (or as soon as escalate() says so, e.g. on a second Ctrl-C)."""
+        self.signal_all(first_signal)
+        deadline = time.monotonic() + self.timeout_kill
+        while self.running() and time.monotonic() < deadline:
+            if escalate is not None and escalate():
+                break
+            self.wait_change(0.05)
+        if self.running():
+            self.signal_all(signal.SIGKILL)
+        while self.running():
+            self.wait_change(0.05)
+
+    def finish(self) -> None:
+        """After every rank exited: kills what is left in their process groups (grandchildren
+        that outlived their rank) and waits briefly for the last output lines."""
+        if self.finished:
+            return
+        for w in self.workers:
+            _killpg(w.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + OUTPUT_JOIN_S
+        for w in self.workers:
+            for t in w.threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+        self.finished = True  # only now: an interrupted finish() must be redone in full
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone already (or its id was reused by someone else's group)
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bind port 0); the store binds it right after."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def worker_pythonpath(env: dict[str, str]) -> str:
+    """PYTHONPATH for workers, so that `python -m ddpc._worker` imports the ddpc this process
+    runs even when it was found through the working directory or sys.path edits."""
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    current = env.get("PYTHONPATH", "")
+    known = set(site.getsitepackages()) | {site.getusersitepackages()}
+    known |= {os.path.abspath(p) for p in current.split(os.pathsep) if p}
+    if pkg_parent in known:
+        return current
+    return os.pathsep.join(p for p in (current, pkg_parent) if p)
+
+
+def rank_env(base: dict[str, str], *, rank: int, local_rank: int, world_size: int,
+             local_world_size: int, node_rank: int, nnodes: int, master_addr: str,
+             master_port: int, restart_count: int, max_restarts: int, run_id: str, token: str,
+             error_file: str, cuda_visible_devices: str | None) -> dict[str, str]:
+    """The environment of one rank: the variables torchrun sets, plus ddpc's own."""
+    env = dict(base)
+    env.update({
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(nnodes),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "DDPC_TOKEN": token,
+        "DDPC_ERROR_FILE": error_file,
+        "DDPC_PARENT_PID": str(os.getpid()),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": worker_pythonpath(base),
+    })
+    # torchrun's TORCHELASTIC_USE_AGENT_STORE would make torch look for a store that no agent
+    # serves here; rank 0 serves it, as with a plain env:// init.
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    if cuda_visible_devices is not None:
+        # nvidia-smi numbers GPUs in PCI bus order; make CUDA agree so "2,3" means those GPUs.
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    return env
+
+
+def signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def describe_exit(rc: int) -> str:
+    """'exit code 3', or 'signal SIGKILL (likely the out-of-memory killer: ...)'."""
+    if rc >= 0:
+        return f"exit code {rc}"
+    name = signal_name(-rc)
+    hint = SIGNAL_HINTS.get(name)
+    return f"signal {name}" + (f" ({hint})" if hint else "")
+
+
+def exit_status(rc: int) -> int:
+    """A shell-style status for a return code: the code itself, or 128 + signal number."""
+    return rc if rc >= 0 else 128 - rc
+
+
+def failure_summary(group: WorkerGroup, first: Worker, who: str = "ddpc.launch") -> str:
+    """Which rank failed first and how, its traceback (or last stderr lines), and the others."""
+    lines = [f"{who}: rank {first.rank} (local rank {first.local_rank}, pid {first.proc.pid}) "
+             f"failed first: {describe_exit(first.returncode)}"]
+    report = first.error_report()
+    if report and report.get("traceback"):
+        lines.append(f"  rank {first.rank} raised {report.get('exception_type')}: "
+                     f"{report.get('message')}")
+        lines += ["  " + ln for ln in str(report["traceback"]).rstrip("\n").split("\n")]
+    elif first.tail:
+        lines.append(f"  last lines of rank {first.rank}'s stderr (no Python traceback was "
+                     f"recorded):")
+        lines += ["    " + ln for ln in first.tail]
+    else:
+        lines.append(f"  rank {first.rank} wrote nothing to stderr")
+    others = [w for w in group.workers if w is not first]
+    if others:
+        lines.append("  other ranks:")
+        for w in sorted(others, key=lambda w: w.rank):
+            lines.append(f"    rank {w.rank}: {describe_other(w)}")
+    return "\n".join(lines)
+
+
+def describe_other(w: Worker) -> str:
+    rc = w.returncode
+    if rc is None:
+        return "still running"
+    if rc == 0:
+        return "finished (exit code 0)"
+    report = w.error_report()
+    if w.signalled is not None and rc == -w.signalled:
+        text = f"stopped by the launcher ({signal_name(w.signalled)})"
+    else:
+        text = describe_exit(rc)
+    if report:
+        text += f" after raising {report.get('exception_type')}: {report.get('message')}"
+    return text
+
+
+# ------------------------------------------------------------------------------ the launcher
+
+@dataclasses.dataclass
+class LaunchConfig:
+    """Validated launch settings for this node."""
+    target: list[str]              # ["script.py", args...] or ["-m", "module", args...]
+    plan: DevicePlan
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int | None        # None: a fresh free port per attempt (single node)
+    max_restarts: int
+    timeout_kill: float
+    run_id: str
+    token: str | None              # None: a fresh secret per attempt
+
+
+class Launcher:
+    """Runs the attempts of one launch and turns signals to the launcher into a clean stop."""
+
+    def __init__(self, cfg: LaunchConfig) -> None:
+        self.cfg = cfg
+        self.lock = threading.Lock()
+        self.signals: list[int] = []
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signals.append(signum)
+
+    def sink(self, worker: Worker, stream: str, line: bytes) -> None:
+        """Writes one worker line, prefixed with its rank, to our stdout or stderr (raw bytes, so
+        any encoding or binary noise passes through untouched)."""
+        out = sys.stdout if stream == "stdout" else sys.stderr
+        data = f"[rank{worker.rank}]: ".encode() + line + b"\n"
+        with self.lock:
+            try:
+                out.flush()
+                buffer = getattr(out, "buffer", None)
+                if buffer is not None:
+                    buffer.write(data)
+                    buffer.flush()
+                else:
+                    out.write(data.decode("utf-8", "replace"))
+                    out.flush()
+            except (OSError, ValueError):
+                pass  # our own stdout is gone (closed pipe): keep draining the workers
+
+    def say(self, text: str) -> None:
+        with self.lock:
+            print(text, file=sys.stderr, flush=True)
+
+    def run(self) -> int:
+        """Runs the job; returns the exit status for the launcher."""
+        cfg = self.cfg
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        if "OMP_NUM_THREADS" not in os.environ and cfg.plan.nproc > 1:
+            self.say("ddpc.launch: setting OMP_NUM_THREADS=1 for each rank (as torchrun does) to "
+                     "avoid oversubscribing the CPU; set it yourself to tune")
+        for note in cfg.plan.notes:
+            self.say(f"ddpc.launch: note: {note}")
+        for local, gpu in enumerate(cfg.plan.rank_gpus):
+            if gpu is not None:
+                self.say(f"ddpc.launch: rank {cfg.node_rank * cfg.plan.nproc + local} -> "
+                         f"{gpu.describe()}")
+        restart = 0
+        while True:
+            status, failed = self.attempt(restart)
+            if failed is None or restart >= cfg.max_restarts or self.signals:
+                return status
+            restart += 1
+            self.say(f"ddpc.launch: restarting all {cfg.plan.nproc} local ranks (restart "
+                     f"{restart} of {cfg.max_restarts}) because rank {failed.rank} failed with "
+                     f"{describe_exit(failed.returncode)}")
+
+    def attempt(self, restart: int) -> tuple[int, Worker | None]:
+        """One start of every local rank. Returns (exit status, the rank that failed first or
+        None when all succeeded or the launcher was interrupted)."""
+        cfg = self.cfg
+        port = cfg.master_port if cfg.master_port is not None else free_port()
+        token = cfg.token if cfg.token is not None else secrets.token_hex(16)
+        nproc = cfg.plan.nproc
+        world = cfg.nnodes * nproc
+        err_dir = tempfile.mkdtemp(prefix="ddpc-launch-")
+        group = WorkerGroup(self.sink, cfg.timeout_kill)
+        base = dict(os.environ)
+        if "OMP_NUM_THREADS" not in base and nproc > 1:
+            base["OMP_NUM_THREADS"] = "1"
+        try:
+            for local in range(nproc):
+                if self.signals:
+                    break
+                rank = cfg.node_rank * nproc + local
+                error_file = os.path.join(err_dir, f"rank{rank}-error.json")
+                env = rank_env(base, rank=rank, local_rank=local, world_size=world,
+                               local_world_size=nproc, node_rank=cfg.node_rank,
+                               nnodes=cfg.nnodes, master_addr=cfg.master_addr, master_port=port,
+                               restart_count=restart, max_restarts=cfg.max_restarts,
+                               run_id=cfg.run_id, token=token, error_file=error_file,
+                               cuda_visible_devices=cfg.plan.cuda_visible_devices)
+                proc = subprocess.Popen([sys.executable, "-m", "ddpc._worker"] + cfg.target,
+                                        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, start_new_session=True)
+                group.add(Worker(rank, local, proc, error_file))
+            return self.watch(group)
+        finally:
+            if group.running():
+                group.stop(signal.SIGKILL)
+            group.finish()
+            shutil.rmtree(err_dir, ignore_errors=True)
+
+    def watch(self, group: WorkerGroup) -> tuple[int, Worker | None]:
+        """Waits until every rank succeeded, one failed, or the launcher got a signal."""
+        while True:
+            if self.signals:
+                sig = self.signals[0]
+                forward = signal.SIGINT if sig == signal.SIGINT else signal.SIGTERM
+                n_running = len(group.running())
+                group.stop(forward, escalate=lambda: len(self.signals) > 1)
+                group.finish()
+                self.say(f"ddpc.launch: got {signal_name(sig)}: stopped {n_running} running "
+                         f"rank(s) ({signal_name(forward)}, then SIGKILL after "
+                         f"{self.cfg.timeout_kill:g} s)")
+                return 128 + sig, None
+            failures = group.failures()
+            if failures:
+                first = failures[0]
+                group.stop(signal.SIGTERM, escalate=lambda: bool(self.signals))
+                group.finish()
+                self.say(failure_summary(group, first))
+                return exit_status(first.returncode), first
+            if not group.running():
+                group.finish()
+                return 0, None
+            group.wait_change(0.1)
+
+
+# ---------------------------------------------------------------------------- command line
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port in 1..65535, got {text!r}")
+    return value
+
+
+def _nproc(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ddpc.launch", allow_abbrev=False,
+        description="Start one process per rank with torchrun's environment variables (RANK, "
+                    "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), prefix their output with the "
+                    "rank, and stop them all when one fails.",
+        epilog="examples:\n  python -m ddpc.launch --nproc-per-node 2 train.py --lr 3e-5\n"
+               "  python -m ddpc.launch --gpus auto --nproc-per-node 2 -m mypkg.train\n"
+               "  DDPC_TOKEN=<shared secret> python -m ddpc.launch --nnodes 2 --node-rank 0 "
+               "--master-addr host0 train.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=_nproc, default=None,
+                   metavar="N|auto", help="ranks on this node (default auto: one per visible GPU, "
+                   "or the number of --gpus, else 1)")
+    p.add_argument("--nnodes", type=_positive_int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--node-rank", "--node_rank", type=_nonneg_int, default=0,
+                   help="this node's index, 0..nnodes-1 (default 0)")
+    p.add_argument("--master-addr", "--master_addr", default=None, metavar="ADDR",
+                   help="address of node 0, where rank 0 serves the rendezvous store (default "
+                   "127.0.0.1 on one node; required with --nnodes > 1)")
+    p.add_argument("--master-port", "--master_port", type=_port, default=None, metavar="PORT",
+                   help=f"port of the store (default: a free port on one node, "
+                   f"{DEFAULT_MASTER_PORT} with --nnodes > 1)")
+    p.add_argument("--max-restarts", "--max_restarts", type=_nonneg_int, default=0, metavar="K",
+                   help="restart all local ranks up to K times after a failure (default 0); "
+                   "across nodes this works when every node's ranks fail and restart together")
+    p.add_argument("--gpus", default=None, metavar="2,3|auto",
+                   help="physical GPU indices for the ranks (sets CUDA_VISIBLE_DEVICES), or auto: "
+                   "the idle GPUs with the most free memory (needs nvidia-smi)")
+    p.add_argument("--timeout-kill", "--timeout_kill", type=_nonneg_float, default=5.0,
+                   metavar="S", help="seconds between SIGTERM/SIGINT and SIGKILL when stopping "
+                   "ranks (default 5)")
+    p.add_argument("--run-id", "--run_id", default=None,
+                   help="TORCHELASTIC_RUN_ID (default: random on one node, 'none' across nodes)")
+    p.add_argument("--standalone", action="store_true",
+                   help="accepted for torchrun compatibility: one node is the default")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="run the target as a module, like python -m")
+    p.add_argument("script", metavar="script.py|module", help="what each rank runs")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    return p
+
+
+def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchConfig:
+    """Checks the arguments against each other and the machine; exits via parser.error."""
+    if args.module:
+        try:
+            found = importlib.util.find_spec(args.script.split(".")[0]) is not None
+        except (ValueError, ImportError):
+            found = False
+        if not found:
+            parser.error(f"argument -m/--module: no module named {args.script!r} (sys.path "
+                         f"starts with the working directory {os.getcwd()})")
+        target = ["-m", args.script] + args.script_args
+    else:
+        if not os.path.isfile(args.script):
+            parser.error(f"argument script.py: {args.script!r} not found (working directory "
+                         f"{os.getcwd()}); to run a module use -m")
+        target = [args.script] + args.script_args
+    if args.standalone and args.nnodes != 1:
+        parser.error(f"argument --standalone: means one node, but --nnodes is {args.nnodes}")
+    if args.node_rank >= args.nnodes:
+        parser.error(f"argument --node-rank: {args.node_rank} is not below --nnodes "
+                     f"{args.nnodes}")
+    token = os.environ.get("DDPC_TOKEN") or None
+    if args.nnodes > 1:
+        if not args.master_addr:
+            parser.error("argument --master-addr: required with --nnodes > 1 (the address of "
+                         "node 0, reachable from every node)")
+        if token is None:
+            parser.error("multi-node jobs need a shared job token: run\n"
+                         "  export DDPC_TOKEN=$(python -c 'import secrets; "
+                         "print(secrets.token_hex(16))')\n"
+                         "once, and export the same DDPC_TOKEN on every node before launching")
+    try:
+        plan = plan_devices(args.gpus, args.nproc_per_node)
+    except ValueError as e:
+        parser.error(f"argument --gpus: {e}" if args.gpus is not None else str(e))
+    master_port = args.master_port
+    if master_port is None and args.nnodes > 1:
+        master_port = DEFAULT_MASTER_PORT
+    run_id = args.run_id or (uuid.uuid4().hex if args.nnodes == 1 else "none")
+    return LaunchConfig(target=target, plan=plan, nnodes=args.nnodes, node_rank=args.node_rank,
+                        master_addr=args.master_addr or "127.0.0.1", master_port=master_port,
+                        max_restarts=args.max_restarts, timeout_kill=args.timeout_kill,
+                        run_id=run_id, token=token)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m ddpc.launch` and `ddpc-launch`; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return Launcher(resolve(parser, args)).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,537 @@
+"""wrap_model: data-parallel training of a torch.nn.Module on the C gradient reducer.
+
+Gradients live in flat buckets (each ``param.grad`` is a view into one); a hook per parameter tells
+the reducer (csrc/reducer.c) when its gradient is complete, and the reducer all-reduces each full
+bucket while backward continues. The end of backward zeroes what never arrived (unused
+parameters), reduces the rest and waits, so every rank's optimizer sees the same averaged
+gradients. See DESIGN.md, "One step of DDP".
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ddpc import _C
+from ddpc import distributed as dist
+
+__all__ = ["DistributedModel", "wrap_model", "unwrap"]
+
+FIRST_BUCKET_BYTES = 1 << 20
+
+_CODE_OF_DTYPE = {getattr(torch, name): code for name, code in dist._DTYPE_CODES.items()}
+_DTYPE_OF_CODE = {code: dtype for dtype, code in _CODE_OF_DTYPE.items()}
+_GRAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _shape_str(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _describe(module: torch.nn.Module) -> List[Tuple[str, str]]:
+    """(name, "shape dtype[ frozen]") for every parameter, in registration order."""
+    out = []
+    for name, p in module.named_parameters():
+        spec = f"{_shape_str(p.shape)} {str(p.dtype).replace('torch.', '')}"
+        out.append((name, spec + ("" if p.requires_grad else " (frozen)")))
+    return out
+
+
+def _first_difference(a: List[Tuple[str, str]], b: List[Tuple[str, str]], ra: int,
+                      rb: int) -> str:
+    names_a = {n: s for n, s in a}
+    names_b = {n: s for n, s in b}
+    for k in range(max(len(a), len(b))):
+        if k < len(a) and k < len(b) and a[k] == b[k]:
+            continue
+        if k < len(a) and a[k][0] not in names_b:
+            return f"parameter '{a[k][0]}': rank {ra} has shape {a[k][1]} but rank {rb} has no " \
+                   f"such parameter"
+        if k < len(b) and b[k][0] not in names_a:
+            return f"parameter '{b[k][0]}': rank {rb} has shape {b[k][1]} but rank {ra} has no " \
+                   f"such parameter"
+        name = a[k][0]
+        if names_a[name] != names_b[name]:
+            return f"parameter '{name}': rank {ra} has shape {names_a[name]} but rank {rb} has " \
+                   f"{names_b[name]}"
+        return f"parameter '{name}' is registered at position {k} on rank {ra} but at another " \
+               f"position on rank {rb} (parameters must be created in the same order)"
+    return f"ranks {ra} and {rb} describe their parameters differently"
+
+
+def _comm_device(group: Any) -> torch.device:
+    if group.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_gather_bytes(data: bytes, group: Any, device: torch.device) -> List[bytes]:
+    """Every rank's byte string, in rank order (two all-gathers: lengths, then padded bytes)."""
+    world = group.world_size
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(lengths, n, group=group)
+    lengths_l = lengths.cpu().tolist()
+    width = max(lengths_l)
+    mine = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    out = torch.empty(world * width, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(out, mine, group=group)
+    rows = out.view(world, width).cpu()
+    return [bytes(rows[r, :lengths_l[r]].tolist()) for r in range(world)]
+
+
+def _verify_same_model(module: torch.nn.Module, group: Any, device: torch.device,
+                       local_problem: Optional[Exception]) -> None:
+    """Raises on every rank when any rank cannot wrap its model: local_problem on the rank that
+    has it, MismatchError when the ranks' parameters differ in names, shapes, dtypes or
+    requires_grad (naming the first differing parameter and two ranks). One all-gather of a
+    digest when all is well, so no rank is left waiting in a later collective."""
+    desc = _describe(module)
+    text = "\n".join(f"{n}\t{s}" for n, s in desc).encode()
+    record = bytearray(hashlib.sha256(text).digest()) + bytearray([local_problem is not None])
+    width = len(record)
+    world = group.world_size
+    gathered = torch.empty(world * width, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(gathered, torch.frombuffer(record, dtype=torch.uint8).to(device),
+                                group=group)
+    rows = gathered.view(world, width).cpu()
+    failed = [r for r in range(world) if rows[r, -1].item()]
+    if local_problem is not None:
+        raise local_problem
+    if failed:
+        raise _C.DistributedError(
+            f"wrap_model: rank {failed[0]} could not wrap its model (its own error says why); "
+            f"rank {group.rank} stops too")
+    bad = [r for r in range(world) if not torch.equal(rows[r, :-1], rows[0, :-1])]
+    if not bad:
+        return
+    texts = _all_gather_bytes(text, group, device)
+    parsed = [[tuple(line.split("\t", 1)) for line in t.decode().split("\n") if line]
+              for t in texts]
+    what = _first_difference(parsed[0], parsed[bad[0]], 0, bad[0])
+    raise _C.MismatchError(
+        f"wrap_model: the ranks built different models: {what}. Every rank must construct the "
+        f"same model (same parameter names, shapes, dtypes and requires_grad) before wrap_model "
+        f"(seen on rank {group.rank})")
+
+
+def _broadcast_flat(tensors: Sequence[torch.Tensor], group: Any) -> None:
+    """Copies rank 0's values into tensors on every rank: one broadcast per device, of all the
+    tensors' bytes packed together."""
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_device.setdefault(t.device, []).append(t)
+    for dev, ts in sorted(by_device.items(), key=lambda kv: str(kv[0])):
+        offsets, total = [], 0
+        for t in ts:
+            offsets.append(total)
+            # 16-byte slots, so each one can be viewed as its tensor's dtype again
+            total += (t.numel() * t.element_size() + 15) // 16 * 16
+        with torch.no_grad():
+            flat = torch.empty(total, dtype=torch.uint8, device=dev)
+            slots = [flat[o:o + t.numel() * t.element_size()] for o, t in zip(offsets, ts)]
+            if group.rank == 0:
+                for s, t in zip(slots, ts):
+                    s.copy_(t.detach().reshape(-1).view(torch.uint8))
+            dist.broadcast(flat, src=0, group=group)
+            if group.rank != 0:
+                for s, t in zip(slots, ts):
+                    t.copy_(s.view(t.dtype).view(t.shape))
+
+
+class _Sink(torch.autograd.Function):
+    """Identity on the forward outputs. Its backward runs in the outer backward pass (never in a
+    reentrant checkpoint's inner one), where it queues the end-of-backward reduction."""
+
+    @staticmethod
+    def forward(ctx: Any, owner: Any, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.owner = owner
+        # detach(): the same memory without a copy, and unlike returning the inputs as-is, not a
+        # view, so the caller may still modify the outputs in place.
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Any, ...]:
+        model = ctx.owner()
+        if model is not None:
+            model._queue_finalize()
+        return (None,) + grads
+
+
+class DistributedModel(torch.nn.Module):
+    """A module whose gradients are averaged across ranks during backward. Made by wrap_model;
+    attribute access falls through to the wrapped module, and state_dict / load_state_dict use
+    the wrapped module's own keys."""
+
+    def __init__(self, module: torch.nn.Module, bucket_cap_bytes: int, broadcast_buffers: bool,
+                 grad_dtype: Optional[torch.dtype], group: Any) -> None:
+        super().__init__()
+        self.module = module
+        self._group = group
+        self._world = group.world_size
+        self._device = _comm_device(group)
+        self._cap_bytes = bucket_cap_bytes
+        self._broadcast_buffers = broadcast_buffers
+        self._grad_dtype = grad_dtype
+        self._require_sync = True
+        self._active = False           # a synced step is prepared and not yet finalized
+        self._finalize_queued = False
+        self._synced_forward = False   # the last forward with autograd on was outside no_sync
+        self._rebuild_pending = True   # the first synced step observes the gradient order
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        _verify_same_model(module, group, self._device, self._check_params())
+        if self._world > 1:
+            _broadcast_flat([p.data for p in module.parameters()] + list(module.buffers()), group)
+        n = len(self._params)
+        self._order = list(range(n - 1, -1, -1))
+        self._late = [1] * n   # nothing launches early until the order is known
+        self._reducer: Any = None
+        self._buckets: List[torch.Tensor] = []
+        self._views: List[torch.Tensor] = []
+        self._bucket_of: List[int] = []
+        self._build_buckets()
+        self._is_cuda = [p.device.type == "cuda" for p in self._params]
+        ref = weakref.ref(self)
+        handles = [p.register_post_accumulate_grad_hook(self._make_hook(ref, i))
+                   for i, p in enumerate(self._params)]
+        # Once the wrapper is gone, its module trains alone again, without dead hooks.
+        weakref.finalize(self, _remove_hooks, handles)
+        self._register_load_state_dict_pre_hook(_nested_load_hook, with_module=True)
+
+    # ------------------------------------------------------------------ setup
+
+    def _check_params(self) -> Optional[Exception]:
+        """The first problem that keeps this rank's parameters out of the reducer, or None."""
+        nccl = self._group.backend == "nccl"
+        for name, p in zip(self._names, self._params):
+            if p.dtype not in _GRAD_DTYPES:
+                return TypeError(f"wrap_model: parameter '{name}' has dtype {p.dtype}; trainable "
+                                 f"parameters must be float32, float64, float16 or bfloat16")
+            if p.layout != torch.strided:
+                return TypeError(f"wrap_model: parameter '{name}' has layout {p.layout}; only "
+                                 f"dense parameters are supported")
+            if nccl and p.device.type != "cuda":
+                return ValueError(f"wrap_model: parameter '{name}' is on {p.device} but the "
+                                  f"process group uses nccl: move the model to ddpc.device() "
+                                  f"before wrapping it")
+            if not nccl and p.device.type != "cpu":
+                return ValueError(f"wrap_model: parameter '{name}' is on {p.device} but the "
+                                  f"process group uses the cpu backend: call "
+                                  f"init_process_group(backend='nccl') for GPU models")
+        return None
+
+    def _build_buckets(self) -> None:
+        """(Re)creates the reducer for self._order / self._late, allocates its buckets, and
+        moves every existing gradient into its new slot."""
+        params = self._params
+        devices = [p.device.index if p.device.type == "cuda" else -1 for p in params]
+        comm = _CODE_OF_DTYPE[self._grad_dtype] if self._grad_dtype is not None else -1
+        reducer = _C.Reducer(self._group, [p.numel() for p in params],
+                             [_CODE_OF_DTYPE[p.dtype] for p in params], devices,
+                             self._order, self._late, min(FIRST_BUCKET_BYTES, self._cap_bytes),
+                             self._cap_bytes, comm)
+        buckets = []
+        for b in range(reducer.num_buckets):
+            code, dev, count, comm_code = reducer.bucket_info(b)
+            device = torch.device("cpu") if dev < 0 else torch.device("cuda", dev)
+            buf = torch.zeros(count, dtype=_DTYPE_OF_CODE[code], device=device)
+            wire = (torch.empty(count, dtype=_DTYPE_OF_CODE[comm_code], device=device)
+                    if comm_code >= 0 else None)
+            reducer.set_bucket_memory(b, buf.data_ptr(), wire.data_ptr() if wire is not None else 0,
+                                      (buf, wire))
+            buckets.append(buf)
+        views, bucket_of = [], []
+        for i, p in enumerate(params):
+            b, off = reducer.param_slot(i)
+            view = buckets[b][off:off + p.numel()].view(p.shape)
+            with torch.no_grad():
+                if p.grad is not None:
+                    view.copy_(p.grad)
+            p.grad = view
+            views.append(view)
+            bucket_of.append(b)
+        old = self._reducer
+        self._reducer, self._buckets, self._views, self._bucket_of = (
+            reducer, buckets, views, bucket_of)
+        self._bucket_sizes = [0] * len(buckets)
+        for b in bucket_of:
+            self._bucket_sizes[b] += 1
+        if old is not None:
+            old.close()
+
+    @staticmethod
+    def _make_hook(ref: Any, i: int) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            model = ref()
+            if model is None:
+                return
+            view = model._views[i]
+            if p.grad is not view:
+                # The gradient was created outside its slot (grad was None or replaced after the
+                # forward, or create_graph=True accumulated out of place): move it in.
+                with torch.no_grad():
+                    view.copy_(p.grad)
+                p.grad = view
+            if model._synced_forward:
+                if not model._finalize_queued:
+                    # The sink on the outputs queues the end of backward before any gradient
+                    # of the outputs' graph is ready; this covers a backward that does not pass
+                    # through it (a loss made from something other than the outputs).
+                    model._queue_finalize()
+                stream = torch.cuda.current_stream(p.device).cuda_stream if model._is_cuda[i] \
+                    else 0
+                try:
+                    model._reducer.mark_ready(i, stream)
+                except ValueError as e:
+                    raise ValueError(f"parameter '{model._names[i]}': {e}") from None
+        return hook
+
+    # ------------------------------------------------------------------ one step
+
+    def _attach_grads(self) -> None:
+        """Makes every param.grad its bucket view again (after zero_grad(set_to_none=True) or a
+        user assignment), zeroing views whose gradient was None."""
+        nones = []
+        for i, p in enumerate(self._params):
+            g = p.grad
+            view = self._views[i]
+            if g is view:
+                continue
+            if g is None:
+                nones.append(i)
+            else:
+                with torch.no_grad():
+                    view.copy_(g)
+                p.grad = view
+        if not nones:
+            return
+        with torch.no_grad():
+            missing_by_bucket: Dict[int, List[int]] = {}
+            for i in nones:
+                missing_by_bucket.setdefault(self._bucket_of[i], []).append(i)
+            for b, idx in missing_by_bucket.items():
+                if len(idx) == self._bucket_sizes[b]:
+                    self._buckets[b].zero_()
+                else:
+                    for i in idx:
+                        self._views[i].zero_()
+        for i in nones:
+            self._params[i].grad = self._views[i]
+
+    def _arm(self) -> None:
+        self._reducer.prepare()
+        self._active = True
+        self._finalize_queued = False
+
+    def _queue_finalize(self) -> None:
+        if self._finalize_queued:
+            return
+        if not self._active:
+            if not self._synced_forward:
+                return
+            self._arm()  # another backward through a synced forward's graph: average it too
+        self._finalize_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+
+    def _stream(self) -> int:
+        if self._device.type == "cuda":
+            return torch.cuda.current_stream(self._device).cuda_stream
+        return 0
+
+    def _finalize(self) -> None:
+        """End of backward: keeps the gradients of parameters that got none this step but hold an
+        accumulated one (no_sync), zeroes the others, reduces everything and waits."""
+        self._active = False
+        self._finalize_queued = False
+        reducer = self._reducer
+        stream = self._stream()
+        for i in reducer.unready():
+            p, view = self._params[i], self._views[i]
+            g = p.grad
+            if g is None:
+                p.grad = view  # the reducer zeroes the slot
+                continue
+            if g is not view:
+                with torch.no_grad():
+                    view.copy_(g)
+                p.grad = view
+            reducer.mark_ready(i, stream)
+        reducer.finalize(stream)
+        if self._rebuild_pending:
+            self._rebuild_pending = False
+            self._rebuild_from_observed_order()
+
+    def _rebuild_from_observed_order(self) -> None:
+        """After the first synced step: buckets in rank 0's gradient-ready order; parameters
+        whose gradient arrived more than once on any rank go in buckets launched at the end."""
+        order, counts = self._reducer.observed_order()
+        n = len(self._params)
+        if self._world > 1:
+            mine = torch.tensor(order + counts, dtype=torch.int32, device=self._device)
+            every = torch.empty(self._world * 2 * n, dtype=torch.int32, device=self._device)
+            dist.all_gather_into_tensor(every, mine, group=self._group)
+            every = every.view(self._world, 2, n).cpu()
+            order = every[0, 0].tolist()
+            counts = every[:, 1].max(dim=0).values.tolist()
+        seen = [i for i in order if i >= 0]
+        seen_set = set(seen)
+        new_order = seen + [i for i in range(n - 1, -1, -1) if i not in seen_set]
+        self._order = new_order
+        self._late = [1 if c > 1 else 0 for c in counts]
+        self._build_buckets()
+
+    def _attach_sink(self, output: Any) -> Any:
+        leaves, spec = pytree.tree_flatten(output)
+        idx = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not idx:
+            return output
+        outs = _Sink.apply(weakref.ref(self), *[leaves[k] for k in idx])
+        for k, t in zip(idx, outs):
+            leaves[k] = t
+        return pytree.tree_unflatten(leaves, spec)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Runs the wrapped module. When autograd is on: broadcasts buffers from rank 0
+        (broadcast_buffers=True), points every param.grad at its bucket, and, outside no_sync(),
+        arms the reducer so the next backward averages gradients across ranks."""
+        grad_on = torch.is_grad_enabled()
+        if grad_on:
+            if self._broadcast_buffers and self._world > 1:
+                buffers = list(self.module.buffers())
+                if buffers:
+                    _broadcast_flat(buffers, self._group)
+            self._attach_grads()
+            self._synced_forward = self._require_sync
+            if self._require_sync:
+                self._arm()
+            else:
+                self._active = False
+        output = self.module(*inputs, **kwargs)
+        if grad_on and self._require_sync:
+            output = self._attach_sink(output)
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: backward passes of forwards run inside this context add to the
+        local gradients without communicating; the first synced backward after it averages the
+        accumulated sums."""
+        old = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = old
+
+    # ------------------------------------------------------------------ module protocol
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules")
+            if name == "module" or modules is None or "module" not in modules:
+                raise
+            return getattr(modules["module"], name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's state_dict, with its own keys (no "module." prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Loads into the wrapped module (keys as its own state_dict gives them)."""
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the parameters the "
+                             "reducer tracks: load with assign=False, or load into the module "
+                             "before wrap_model")
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        before = [(p.dtype, p.device) for p in self._params]
+        result = super()._apply(fn, recurse)
+        after = [(p.dtype, p.device) for p in self._params]
+        moved = any(g is not None and g.data_ptr() != v.data_ptr()
+                    for g, v in ((p.grad, v) for p, v in zip(self._params, self._views)))
+        if before != after or moved:
+            # .to()/.half() moved parameters or their gradients out of the buckets: start over.
+            problem = self._check_params()
+            if problem is not None:
+                raise problem
+            self._build_buckets()
+            self._is_cuda = [p.device.type == "cuda" for p in self._params]
+        return result
+
+
+def _remove_hooks(handles: List[Any]) -> None:
+    for h in handles:
+        h.remove()
+
+
+def _nested_load_hook(module: DistributedModel, state_dict: Dict[str, Any], prefix: str,
+                      *args: Any) -> None:
+    """When a DistributedModel is a child of another module, its state_dict() entries carry no
+    "module." part; put it back so the parent's load_state_dict finds them."""
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+def wrap_model(module: torch.nn.Module, *, bucket_cap_mb: float = 25,
+               broadcast_buffers: bool = True, grad_dtype: Optional[torch.dtype] = None,
+               group: Any = None) -> DistributedModel:
+    """Makes module data-parallel: gradients are averaged across the ranks of `group` (default:
+    the group of init_process_group) during every backward.
+
+    Call it on every rank, after moving the model to ddpc.device() and freezing what stays frozen
+    (parameters with requires_grad=False are not reduced). It verifies that every rank has the
+    same parameters (names, shapes, dtypes; ddpc.MismatchError names the first difference) and
+    copies rank 0's parameters and buffers to the others.
+
+    bucket_cap_mb: size of the gradient buckets reduced while backward runs (the first holds at
+    most 1 MiB, so communication starts early).
+    broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank at each
+    forward that runs with autograd on.
+    grad_dtype: torch.bfloat16 or torch.float16 to reduce gradients in that dtype (half the
+    traffic of float32; gradients are cast back afterwards); None reduces in the parameters' dtype.
+
+    Each param.grad is a view into a bucket. Parameters unused in a step (on some or all ranks)
+    get a gradient of zero from the ranks that did not use them. Use model.no_sync() for gradient
+    accumulation, ddpc.unwrap(model) for the original module.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"wrap_model: module must be a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(module, DistributedModel):
+        raise ValueError("wrap_model: this module is already wrapped (pass ddpc.unwrap(model) to "
+                         "wrap it again)")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+        raise TypeError(f"wrap_model: bucket_cap_mb must be a number of MiB, got "
+                        f"{type(bucket_cap_mb).__name__}")
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"wrap_model: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+    if not isinstance(broadcast_buffers, bool):
+        raise TypeError(f"wrap_model: broadcast_buffers must be a bool, got "
+                        f"{type(broadcast_buffers).__name__}")
+    if grad_dtype is not None and grad_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"wrap_model: grad_dtype must be None, torch.bfloat16 or torch.float16, "
+                         f"got {grad_dtype}")
+    g = group if group is not None else dist._default_group()
+    if not isinstance(g, _C.Group):
+        raise TypeError(f"wrap_model: group must be a process group (ddpc._C.Group) or None for "
+                        f"the default one, got {type(g).__name__}")
+    return DistributedModel(module, int(bucket_cap_mb * (1 << 20)), broadcast_buffers, grad_dtype,
+                            g)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module given to wrap_model (model itself when it is not wrapped)."""
+    return model.module if isinstance(model, DistributedModel) else model

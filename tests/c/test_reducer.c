@@ -1,0 +1,272 @@
+/* test_reducer.c: unit test of the gradient reducer's logic (csrc/reducer.c) against a fake
+ * process group that records every collective and, on wait, averages the bucket with a peer
+ * whose gradient is 1.0 everywhere. Built and run by tests/test_wrap_model.py. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ddpc.h"
+
+/* ---------------------------------------------------------------- fake group */
+
+struct DdpcGroup {
+    int rank;
+};
+
+struct DdpcWork {
+    uint64_t seq;
+    DdpcCollArgs args;
+    int refs;
+    int done;
+};
+
+#define MAX_LOG 64
+static DdpcWork *g_log[MAX_LOG];
+static int g_nlog;
+static uint64_t g_seq;
+
+ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **out) {
+    (void)g;
+    if (g_nlog == MAX_LOG) return ddpc_error(DDPC_ERR_INVALID, "fake group: log full");
+    DdpcWork *w = calloc(1, sizeof *w);
+    if (!w) return ddpc_error(DDPC_ERR_NOMEM, "fake group: out of memory");
+    w->seq = ++g_seq;
+    w->args = *args;
+    w->refs = 2; /* the caller's and the log's */
+    g_log[g_nlog++] = w;
+    *out = w;
+    return DDPC_OK;
+}
+
+ddpc_status ddpc_work_wait(DdpcWork *w) {
+    if (!w->done) {
+        w->done = 1;
+        if (w->args.dtype == DDPC_FLOAT32) {
+            float *p = w->args.recv;
+            for (size_t i = 0; i < w->args.count; i++) p[i] = (p[i] + 1.0f) / 2.0f;
+        } else if (w->args.dtype == DDPC_FLOAT64) {
+            double *p = w->args.recv;
+            for (size_t i = 0; i < w->args.count; i++) p[i] = (p[i] + 1.0) / 2.0;
+        }
+    }
+    return DDPC_OK;
+}
+
+ddpc_status ddpc_work_wait_stream(DdpcWork *w, uintptr_t stream) {
+    (void)stream;
+    return ddpc_work_wait(w);
+}
+
+void ddpc_work_release(DdpcWork *w) {
+    if (w && --w->refs == 0) free(w);
+}
+
+uint64_t ddpc_work_seq(const DdpcWork *w) { return w->seq; }
+int ddpc_group_rank(const DdpcGroup *g) { return g->rank; }
+
+/* reducer.c references the device helpers; host buckets never reach them. */
+ddpc_status ddpc_device_zero(void *p, size_t b, uintptr_t s) {
+    (void)p; (void)b; (void)s;
+    return ddpc_error(DDPC_ERR_UNAVAILABLE, "fake: no device");
+}
+ddpc_status ddpc_device_cast(void *d, ddpc_dtype dd, const void *s, ddpc_dtype sd, size_t n,
+                             float sc, uintptr_t st) {
+    (void)d; (void)dd; (void)s; (void)sd; (void)n; (void)sc; (void)st;
+    return ddpc_error(DDPC_ERR_UNAVAILABLE, "fake: no device");
+}
+
+static void clear_log(void) {
+    for (int i = 0; i < g_nlog; i++) ddpc_work_release(g_log[i]);
+    g_nlog = 0;
+}
+
+/* ---------------------------------------------------------------- checks */
+
+static int g_failures;
+
+#define EXPECT(cond, ...)                                                  \
+    do {                                                                   \
+        if (!(cond)) {                                                     \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+            fprintf(stderr, __VA_ARGS__);                                  \
+            fprintf(stderr, "\n");                                         \
+            g_failures++;                                                  \
+        }                                                                  \
+    } while (0)
+
+#define OK(call) EXPECT((call) == DDPC_OK, "%s", ddpc_last_error())
+
+static DdpcGroup g_group = {0};
+
+/* 6 float32 parameters of 1000 elements (4000 bytes): first bucket 5000 bytes, cap 9000. */
+static void test_assignment_and_launch_order(void) {
+    size_t numels[6] = {1000, 1000, 1000, 1000, 1000, 1000};
+    ddpc_dtype dts[6] = {0};
+    int devs[6] = {-1, -1, -1, -1, -1, -1};
+    DdpcReducer *r = NULL;
+    OK(ddpc_reducer_create(&g_group, 6, numels, dts, devs, NULL, NULL, 5000, 9000, -1, &r));
+    if (!r) return;
+    /* reverse order: {5} (first bucket), {4,3}, {2,1}, {0} */
+    EXPECT(ddpc_reducer_num_buckets(r) == 4, "got %d buckets", ddpc_reducer_num_buckets(r));
+    int b;
+    size_t off;
+    OK(ddpc_reducer_param_slot(r, 5, &b, &off));
+    EXPECT(b == 0 && off == 0, "param 5 in bucket %d at %zu", b, off);
+    OK(ddpc_reducer_param_slot(r, 3, &b, &off));
+    EXPECT(b == 1 && off == 1000, "param 3 in bucket %d at %zu", b, off);
+    OK(ddpc_reducer_param_slot(r, 0, &b, &off));
+    EXPECT(b == 3 && off == 0, "param 0 in bucket %d at %zu", b, off);
+    float *mem[4];
+    for (int k = 0; k < 4; k++) {
+        ddpc_dtype dt;
+        int dev;
+        size_t count;
+        OK(ddpc_reducer_bucket_info(r, k, &dt, &dev, &count));
+        mem[k] = calloc(count, sizeof(float));
+        for (size_t i = 0; i < count; i++) mem[k][i] = 3.0f;
+        OK(ddpc_reducer_set_bucket_memory(r, k, mem[k], NULL));
+    }
+    OK(ddpc_reducer_prepare(r));
+    /* Bucket 1 completes first but must wait for bucket 0. */
+    OK(ddpc_reducer_mark_ready(r, 4, 0));
+    EXPECT(ddpc_reducer_mark_would_launch(r, 3) == 0, "bucket 1 launched before bucket 0");
+    OK(ddpc_reducer_mark_ready(r, 3, 0));
+    EXPECT(g_nlog == 0, "%d collectives posted before bucket 0 was complete", g_nlog);
+    OK(ddpc_reducer_mark_ready(r, 4, 0)); /* again, before launch: only counted */
+    EXPECT(ddpc_reducer_mark_would_launch(r, 5) == 1, "param 5 should launch buckets 0 and 1");
+    OK(ddpc_reducer_mark_ready(r, 5, 0));
+    EXPECT(g_nlog == 2, "expected buckets 0 and 1 launched, got %d collectives", g_nlog);
+    if (g_nlog == 2) {
+        EXPECT(g_log[0]->args.recv == mem[0] && g_log[1]->args.recv == mem[1],
+               "buckets launched out of order");
+        EXPECT(g_log[0]->args.op == DDPC_COLL_ALLREDUCE && g_log[0]->args.redop == DDPC_AVG,
+               "not an averaging all_reduce");
+    }
+    EXPECT(ddpc_reducer_mark_ready(r, 4, 0) == DDPC_ERR_INVALID,
+           "a gradient arriving after its bucket was launched must fail");
+    int unready[6];
+    int nu = ddpc_reducer_unready(r, unready);
+    EXPECT(nu == 3 && unready[0] == 0 && unready[1] == 1 && unready[2] == 2, "unready %d", nu);
+    OK(ddpc_reducer_mark_ready(r, 1, 0));
+    /* params 0 and 2 unused: zeroed, then averaged with the peer's 1.0 */
+    int unused = -1;
+    OK(ddpc_reducer_finalize(r, 0, &unused));
+    EXPECT(unused == 2, "unused = %d", unused);
+    EXPECT(g_nlog == 4, "expected 4 collectives, got %d", g_nlog);
+    EXPECT(mem[0][0] == 2.0f && mem[1][1999] == 2.0f, "used grads not averaged: %g %g",
+           mem[0][0], mem[1][1999]);
+    OK(ddpc_reducer_param_slot(r, 2, &b, &off));
+    EXPECT(mem[b][off] == 0.5f && mem[b][off + 999] == 0.5f, "unused param 2: %g",
+           mem[b][off]);
+    OK(ddpc_reducer_param_slot(r, 1, &b, &off));
+    EXPECT(mem[b][off] == 2.0f, "used param 1 (same bucket as 2): %g", mem[b][off]);
+    EXPECT(mem[3][0] == 0.5f, "unused param 0: %g", mem[3][0]);
+    int order[6], counts[6];
+    OK(ddpc_reducer_observed_order(r, order, counts));
+    EXPECT(order[0] == 4 && order[1] == 3 && order[2] == 5 && order[3] == 1 && order[4] == -1,
+           "observed order %d %d %d %d %d", order[0], order[1], order[2], order[3], order[4]);
+    EXPECT(counts[4] == 3 && counts[5] == 1 && counts[0] == 0, "counts %d %d %d", counts[4],
+           counts[5], counts[0]);
+    EXPECT(ddpc_reducer_finalize(r, 0, &unused) == DDPC_ERR_INVALID, "second finalize accepted");
+    EXPECT(ddpc_reducer_mark_ready(r, 0, 0) == DDPC_ERR_INVALID, "mark_ready outside a step");
+    clear_log();
+    /* An unfinished step is reported once by the next prepare, which resets. */
+    OK(ddpc_reducer_prepare(r));
+    OK(ddpc_reducer_prepare(r)); /* nothing marked yet: harmless */
+    OK(ddpc_reducer_mark_ready(r, 5, 0));
+    EXPECT(ddpc_reducer_prepare(r) == DDPC_ERR_INVALID, "unfinished step not reported");
+    EXPECT(strstr(ddpc_last_error(), "did not finish") != NULL, "message: %s", ddpc_last_error());
+    EXPECT(g_nlog == 1 && g_log[0]->done, "the launched collective was not waited for");
+    OK(ddpc_reducer_prepare(r));
+    clear_log();
+    ddpc_reducer_destroy(r);
+    for (int k = 0; k < 4; k++) free(mem[k]);
+}
+
+/* A given order, late parameters, two dtypes, slot alignment, a parameter above the cap. */
+static void test_order_late_dtypes(void) {
+    size_t numels[5] = {3, 5, 10000, 7, 2};
+    ddpc_dtype dts[5] = {DDPC_FLOAT32, DDPC_FLOAT64, DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT64};
+    int devs[5] = {-1, -1, -1, -1, -1};
+    int order[5] = {0, 1, 2, 3, 4};
+    uint8_t late[5] = {0, 0, 0, 1, 0};
+    DdpcReducer *r = NULL;
+    OK(ddpc_reducer_create(&g_group, 5, numels, dts, devs, order, late, 1000, 1000, -1, &r));
+    if (!r) return;
+    /* f32 {0}, f64 {1,4}, f32 {2} (too big for the open bucket: its own), late f32 {3} */
+    EXPECT(ddpc_reducer_num_buckets(r) == 4, "got %d buckets", ddpc_reducer_num_buckets(r));
+    int b;
+    size_t off;
+    OK(ddpc_reducer_param_slot(r, 4, &b, &off));
+    EXPECT(b == 1 && off == 6, "param 4 (f64 after 5 f64, 16-byte aligned) in %d at %zu", b, off);
+    OK(ddpc_reducer_param_slot(r, 2, &b, &off));
+    EXPECT(b == 2 && off == 0, "param 2 in %d at %zu", b, off);
+    OK(ddpc_reducer_param_slot(r, 3, &b, &off));
+    EXPECT(b == 3, "late param 3 in bucket %d, expected the last", b);
+    void *mem[4];
+    for (int k = 0; k < 4; k++) {
+        ddpc_dtype dt;
+        int dev;
+        size_t count;
+        OK(ddpc_reducer_bucket_info(r, k, &dt, &dev, &count));
+        EXPECT(ddpc_reducer_bucket_comm_dtype(r, k) == -1, "no comm dtype requested");
+        mem[k] = calloc(count, ddpc_dtype_size(dt));
+        OK(ddpc_reducer_set_bucket_memory(r, k, mem[k], NULL));
+    }
+    OK(ddpc_reducer_prepare(r));
+    for (int i = 0; i < 5; i++) OK(ddpc_reducer_mark_ready(r, i, 0));
+    EXPECT(g_nlog == 3, "the late bucket launched during backward (%d collectives)", g_nlog);
+    OK(ddpc_reducer_mark_ready(r, 3, 0)); /* late: a second gradient is fine */
+    int unused = -1;
+    OK(ddpc_reducer_finalize(r, 0, &unused));
+    EXPECT(unused == 0 && g_nlog == 4, "unused %d, %d collectives", unused, g_nlog);
+    if (g_nlog == 4) EXPECT(g_log[3]->args.recv == mem[3], "late bucket not launched last");
+    clear_log();
+    ddpc_reducer_destroy(r);
+    for (int k = 0; k < 4; k++) free(mem[k]);
+}
+
+static void test_bad_arguments(void) {
+    size_t numels[2] = {4, 4};
+    ddpc_dtype dts[2] = {DDPC_FLOAT32, DDPC_INT64};
+    int devs[2] = {-1, -1};
+    int order[2] = {1, 1};
+    DdpcReducer *r = NULL;
+    EXPECT(ddpc_reducer_create(&g_group, 2, numels, dts, devs, NULL, NULL, 64, 64, -1, &r) ==
+               DDPC_ERR_INVALID && strstr(ddpc_last_error(), "int64"),
+           "an int64 gradient was accepted: %s", ddpc_last_error());
+    dts[1] = DDPC_FLOAT32;
+    EXPECT(ddpc_reducer_create(&g_group, 2, numels, dts, devs, order, NULL, 64, 64, -1, &r) ==
+               DDPC_ERR_INVALID && strstr(ddpc_last_error(), "permutation"),
+           "a repeated order entry was accepted: %s", ddpc_last_error());
+    EXPECT(ddpc_reducer_create(&g_group, 2, numels, dts, devs, NULL, NULL, 64, 64, DDPC_INT8,
+                               &r) == DDPC_ERR_INVALID, "comm dtype int8 accepted");
+    OK(ddpc_reducer_create(&g_group, 2, numels, dts, devs, NULL, NULL, 64, 64, -1, &r));
+    if (!r) return;
+    EXPECT(ddpc_reducer_prepare(r) == DDPC_ERR_INVALID, "prepare without bucket memory");
+    EXPECT(ddpc_reducer_set_bucket_memory(r, 0, NULL, NULL) == DDPC_ERR_INVALID, "NULL buffer");
+    EXPECT(ddpc_reducer_set_bucket_memory(r, 7, NULL, NULL) == DDPC_ERR_INVALID, "bucket 7");
+    EXPECT(ddpc_reducer_mark_ready(r, 2, 0) == DDPC_ERR_INVALID, "param 2 of 2");
+    ddpc_reducer_destroy(r);
+    OK(ddpc_reducer_create(&g_group, 0, NULL, NULL, NULL, NULL, NULL, 64, 64, -1, &r));
+    if (r) {
+        int unused = -1;
+        OK(ddpc_reducer_prepare(r));
+        OK(ddpc_reducer_finalize(r, 0, &unused));
+        EXPECT(unused == 0 && ddpc_reducer_num_buckets(r) == 0, "empty reducer");
+        ddpc_reducer_destroy(r);
+    }
+}
+
+int main(void) {
+    test_assignment_and_launch_order();
+    test_order_late_dtypes();
+    test_bad_arguments();
+    clear_log();
+    if (g_failures) {
+        fprintf(stderr, "%d check(s) failed\n", g_failures);
+        return 1;
+    }
+    printf("test_reducer: all checks passed\n");
+    return 0;
+}

@@ -1,0 +1,551 @@
+"""Collectives of the cpu backend with real processes (2 and 3 ranks on 127.0.0.1), over both
+transports (shared memory and DDPC_CPU_TRANSPORT=tcp): every collective, dtype and op against a
+NumPy reference; NumPy arrays, torch tensors and a __dlpack__ host object; async work; and the
+failures: mismatched calls, a rank that never arrives, a rank killed mid-collective.
+
+Each job runs this file as a script in N processes (`python test_collectives.py SCENARIO`) that
+rendezvous through init_method=file://; many checks share one job to keep the file fast."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.abspath(__file__)
+
+NP_DTYPES = ["float32", "float64", "float16", "int32", "int64", "uint8", "int8"]
+OPS = ["sum", "avg", "min", "max", "prod"]
+# Above the shared-memory slot (1 MiB = 262144 float32) and the TCP ring piece, and odd, so the
+# chunk loops and uneven ring segments are exercised.
+BIG = 655_361
+
+
+# ------------------------------------------------------------------------- reference data
+
+
+def values(rank: int, n: int, op: str, dtype: str, salt: int = 0) -> np.ndarray:
+    """Rank `rank`'s input: small integers, so sums and products of up to 3 ranks are exact in
+    every dtype (float16 and bfloat16 included) and the reference needs no tolerance."""
+    rng = np.random.default_rng(1000 * rank + 7 * n + salt)
+    if op == "prod":
+        v = rng.choice([1, 2] if dtype == "uint8" else [-2, -1, 1, 2], n)
+    else:
+        v = rng.integers(0, 17, n) if dtype == "uint8" else rng.integers(-8, 9, n)
+    return v.astype(np.int64)
+
+
+def reference(stack: np.ndarray, op: str, dtype: str, world: int) -> np.ndarray:
+    """The reduction over ranks (axis 0) of int64 data, as the collective computes it in dtype:
+    integer sums/products wrap like the dtype, integer AVG truncates toward zero."""
+    if op == "sum":
+        r = stack.sum(axis=0)
+    elif op == "prod":
+        r = stack.prod(axis=0)
+    elif op == "min":
+        r = stack.min(axis=0)
+    elif op == "max":
+        r = stack.max(axis=0)
+    else:
+        s = stack.sum(axis=0)
+        if np.dtype(dtype).kind in "iu":
+            return (np.sign(s) * (np.abs(s) // world)).astype(dtype)
+        return (s / world).astype(dtype)
+    return r.astype(dtype)
+
+
+def assert_same(got: np.ndarray, want: np.ndarray, what: str, op: str = "sum") -> None:
+    got = np.asarray(got)
+    if op == "avg" and got.dtype.kind == "f":
+        # Sum then divide: exact sums, one rounding of the quotient (float16: 2^-11 relative).
+        rtol = {"float16": 1e-3, "float32": 1e-6, "float64": 1e-12}[got.dtype.name]
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol,
+                                   atol=0, err_msg=what)
+    else:
+        bad = np.flatnonzero(got != want)
+        assert bad.size == 0, (f"{what}: {bad.size} of {got.size} elements differ, first at "
+                               f"{bad[0]}: got {got.flat[bad[0]]}, want {want.flat[bad[0]]}")
+
+
+# ------------------------------------------------------------------------- worker side
+
+
+class HostArray:
+    """A foreign host array that only speaks DLPack."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = a
+
+    def __dlpack__(self, **kwargs):  # noqa: ANN003 - DLPack protocol keywords
+        return self.a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+def init(timeout: float = 30.0, path: str = "") -> None:
+    import ddpc
+    ddpc.init_process_group(backend="cpu", init_method="file://" + (path or os.environ["RDV"]),
+                            timeout=timeout)
+
+
+def torch_checks(rank: int, world: int) -> int:
+    """torch tensors (bfloat16 among them: NumPy has none) and torch's ReduceOp. Only one job
+    runs these: importing torch costs seconds per process."""
+    import ddpc
+    import torch
+    checks = 0
+
+    def stack(n: int, op: str, dtype: str) -> np.ndarray:
+        return np.stack([values(r, n, op, dtype) for r in range(world)])
+
+    for tdt in (torch.bfloat16, torch.float16, torch.float32, torch.int64):
+        name = str(tdt).replace("torch.", "")
+        for op in OPS:
+            for n in (5, 70_001):
+                ref = reference(stack(n, op, "float64" if name == "bfloat16" else name), op,
+                                "float64" if name == "bfloat16" else name, world)
+                t = torch.tensor(values(rank, n, op, name), dtype=tdt)
+                ddpc.all_reduce(t, op=op)
+                want = torch.tensor(ref).to(tdt)
+                if op == "avg" and tdt.is_floating_point:
+                    torch.testing.assert_close(t, want, rtol=1e-2 if name == "bfloat16" else 1e-3,
+                                               atol=0, msg=f"torch {name} avg")
+                else:
+                    assert torch.equal(t, want), f"torch {name} {op} n={n}"
+                checks += 1
+
+    x = values(rank, 64, "min", "float64").astype(np.float64)
+    ddpc.all_reduce(x, op=torch.distributed.ReduceOp.MIN)
+    assert_same(x, reference(stack(64, "min", "float64"), "min", "float64", world), "torch op")
+    t = torch.tensor(values(rank, 10, "sum", "float32"), dtype=torch.bfloat16)
+    ddpc.broadcast(t, src=world - 1)
+    assert torch.equal(t, torch.tensor(values(world - 1, 10, "sum", "float32"),
+                                       dtype=torch.bfloat16)), "broadcast torch bf16"
+    tin = torch.tensor(values(rank, 9, "sum", "float32"), dtype=torch.bfloat16)
+    tout = torch.empty(world * 9, dtype=torch.bfloat16)
+    ddpc.all_gather_into_tensor(tout, tin)
+    assert torch.equal(tout, torch.cat([torch.tensor(values(r, 9, "sum", "float32"),
+                                                     dtype=torch.bfloat16)
+                                        for r in range(world)])), "all_gather torch"
+    return checks + 3
+
+
+def scenario_all() -> Dict:
+    """Every collective x dtype x op against the reference; array kinds; async; op spellings."""
+    import ddpc
+    init()
+    rank, world = ddpc.get_rank(), ddpc.get_world_size()
+    checks = 0
+    g = ddpc.distributed._default_group()
+    want_transport = os.environ.get("DDPC_CPU_TRANSPORT", "auto")
+    if want_transport != "auto":
+        assert g.transport == want_transport, (g.transport, want_transport)
+
+    def stack(n: int, op: str, dtype: str, salt: int = 0) -> np.ndarray:
+        return np.stack([values(r, n, op, dtype, salt) for r in range(world)])
+
+    # all_reduce: every NumPy dtype x op, small and crossing chunk boundaries.
+    for dtype in NP_DTYPES:
+        for op in OPS:
+            sizes = [1, 7, 4099] + ([BIG] if dtype == "float32" or op == "sum" else [])
+            for n in sizes:
+                x = values(rank, n, op, dtype).astype(dtype)
+                ddpc.all_reduce(x, op=op)
+                assert_same(x, reference(stack(n, op, dtype), op, dtype, world),
+                            f"all_reduce {dtype} {op} n={n}", op)
+                checks += 1
+    # Integer sums wrap like the dtype (as NumPy's do).
+    x = np.full(33, 100, dtype=np.int8)
+    ddpc.all_reduce(x)
+    assert_same(x, np.full(33, 100 * world, dtype=np.int64).astype(np.int8), "int8 wraps")
+    checks += 1
+
+    # A host object that only has __dlpack__: the result lands in the memory it exports.
+    base = values(rank, 1001, "sum", "float32").astype(np.float32)
+    ddpc.all_reduce(HostArray(base))
+    assert_same(base, reference(stack(1001, "sum", "float32"), "sum", "float32", world), "dlpack")
+    checks += 1
+
+    # Op spellings: strings and ddpc.ReduceOp.
+    for spelled, op in ((ddpc.ReduceOp.SUM, "sum"), ("MAX", "max"), (ddpc.ReduceOp.PRODUCT, "prod"),
+                        ("mean", "avg")):
+        x = values(rank, 64, op, "float64").astype(np.float64)
+        ddpc.all_reduce(x, op=spelled)
+        assert_same(x, reference(stack(64, op, "float64"), op, "float64", world), str(spelled), op)
+        checks += 1
+
+    # broadcast from every source, all dtypes, small and large.
+    for src in range(world):
+        for dtype in NP_DTYPES:
+            for n in (3, BIG if dtype == "float64" else 999):
+                x = values(rank, n, "sum", dtype).astype(dtype)
+                ddpc.broadcast(x, src=src)
+                assert_same(x, values(src, n, "sum", dtype).astype(dtype),
+                            f"broadcast {dtype} src={src} n={n}")
+                checks += 1
+
+    # all_gather (tensor and list forms).
+    for dtype in ("float32", "int8", "float16", "int64"):
+        for n in (1, 5, 300_001 if dtype == "int8" else 70_001):
+            mine = values(rank, n, "sum", dtype).astype(dtype)
+            out = np.empty(world * n, dtype=dtype)
+            ddpc.all_gather_into_tensor(out, mine)
+            want = np.concatenate([values(r, n, "sum", dtype).astype(dtype) for r in range(world)])
+            assert_same(out, want, f"all_gather_into_tensor {dtype} n={n}")
+            checks += 1
+    outs = [np.zeros((2, 3), dtype=np.float32) for _ in range(world)]
+    ddpc.all_gather(outs, values(rank, 6, "sum", "float32").astype(np.float32).reshape(2, 3))
+    for r in range(world):
+        assert_same(outs[r].ravel(), values(r, 6, "sum", "float32").astype(np.float32),
+                    "all_gather list")
+
+    # reduce_scatter (tensor and list forms).
+    for dtype in ("float32", "float64", "int32", "float16"):
+        for op in OPS:
+            for n in (1, 3, 200_003 if op == "sum" else 4_001):
+                inp = values(rank, world * n, op, dtype, salt=1).astype(dtype)
+                out = np.empty(n, dtype=dtype)
+                ddpc.reduce_scatter_tensor(out, inp, op=op)
+                full = reference(stack(world * n, op, dtype, salt=1), op, dtype, world)
+                assert_same(out, full[rank * n:(rank + 1) * n],
+                            f"reduce_scatter {dtype} {op} n={n}", op)
+                checks += 1
+    pieces = [values(rank, 4, "sum", "int64", salt=10 + q) for q in range(world)]
+    out = np.empty(4, dtype=np.int64)
+    ddpc.reduce_scatter(out, pieces, op="sum")
+    want = sum(values(r, 4, "sum", "int64", salt=10 + rank) for r in range(world))
+    assert_same(out, want, "reduce_scatter list")
+    # In place: the output is this rank's block of the input.
+    inp = values(rank, world * 50_001, "sum", "float32", salt=2).astype(np.float32)
+    ddpc.reduce_scatter_tensor(inp[rank * 50_001:(rank + 1) * 50_001], inp)
+    full = reference(stack(world * 50_001, "sum", "float32", salt=2), "sum", "float32", world)
+    assert_same(inp[rank * 50_001:(rank + 1) * 50_001], full[rank * 50_001:(rank + 1) * 50_001],
+                "reduce_scatter in place")
+
+    # Async: works complete in order; a posted collective really runs in the background (rank 0
+    # checks that its work is still pending while rank 1 has provably not joined yet).
+    arrays = [values(rank, 20_000 + i, "sum", "float32").astype(np.float32) for i in range(6)]
+    works = [ddpc.all_reduce(a, async_op=True) for a in arrays]
+    for i, (w, a) in enumerate(zip(works, arrays)):
+        assert w.wait() is True
+        assert w.is_completed()
+        assert_same(a, reference(stack(20_000 + i, "sum", "float32"), "sum", "float32", world),
+                    f"async {i}")
+    store = ddpc.get_store()
+    x = values(rank, BIG, "sum", "float32").astype(np.float32)
+    if rank == 0:
+        w = ddpc.all_reduce(x, async_op=True)
+        pending = w.is_completed()
+        store.set("cpu-test/go", b"1")
+        assert not pending, "all_reduce completed before rank 1 joined"
+        w.wait()
+    else:
+        store.get("cpu-test/go", 30.0)
+        ddpc.all_reduce(x)
+    assert_same(x, reference(stack(BIG, "sum", "float32"), "sum", "float32", world), "overlap")
+    w = ddpc.barrier(async_op=True)
+    w.wait()
+    assert w.is_completed()
+    ddpc.barrier()
+    if os.environ.get("WITH_TORCH") == "1":
+        checks += torch_checks(rank, world)
+    transport = g.transport
+    ddpc.destroy_process_group()
+    return {"checks": checks, "transport": transport}
+
+
+def scenario_single() -> Dict:
+    """world_size 1: every collective is a local copy (or nothing)."""
+    import ddpc
+    init()
+    x = np.arange(10, dtype=np.float32)
+    ddpc.all_reduce(x, op="avg")
+    assert_same(x, np.arange(10, dtype=np.float32), "single all_reduce")
+    out = np.zeros(10, dtype=np.float32)
+    ddpc.all_gather_into_tensor(out, x)
+    assert_same(out, x, "single all_gather")
+    out2 = np.zeros(10, dtype=np.float32)
+    ddpc.reduce_scatter_tensor(out2, x)
+    assert_same(out2, x, "single reduce_scatter")
+    ddpc.broadcast(x, src=0)
+    ddpc.barrier()
+    ddpc.all_reduce(x, async_op=True).wait()
+    transport = ddpc.distributed._default_group().transport
+    ddpc.destroy_process_group()
+    return {"transport": transport}
+
+
+def scenario_mismatch() -> Dict:
+    """Three kinds of disagreement, each in a fresh group: every rank must raise MismatchError
+    naming both ranks' calls."""
+    import ddpc
+    rank = int(os.environ["RANK"])
+    messages = []
+    cases = [
+        lambda: ddpc.all_reduce(np.zeros(1024 if rank == 0 else 512, dtype=np.float32)),
+        lambda: ddpc.all_reduce(np.zeros(64, dtype=np.float32 if rank == 0 else np.float64)),
+        lambda: ddpc.all_reduce(np.zeros(64, dtype=np.int32), op="sum" if rank == 0 else "max"),
+        lambda: (ddpc.broadcast(np.zeros(8), src=0) if rank == 0 else ddpc.barrier()),
+    ]
+    for i, case in enumerate(cases):
+        init(path=f"{os.environ['RDV']}.{i}")
+        ddpc.all_reduce(np.ones(4, dtype=np.float32))  # a good one first: #1
+        try:
+            case()
+        except ddpc.MismatchError as e:
+            messages.append(str(e))
+        else:
+            raise AssertionError(f"case {i}: no MismatchError on rank {rank}")
+        # The group is aborted: later calls fail at once instead of hanging.
+        t0 = time.monotonic()
+        with pytest.raises(ddpc.DistributedError):
+            ddpc.all_reduce(np.ones(4, dtype=np.float32))
+        assert time.monotonic() - t0 < 10
+        ddpc.destroy_process_group()
+    return {"messages": messages}
+
+
+def scenario_timeout() -> Dict:
+    """Rank 1 never calls the collective: rank 0 times out naming it."""
+    import ddpc
+    init(timeout=1.5)
+    rank = ddpc.get_rank()
+    ddpc.all_reduce(np.ones(4, dtype=np.float32))
+    msg, kind, elapsed = "", "", 0.0
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            ddpc.all_reduce(np.ones(100, dtype=np.float32))
+        except ddpc.DistributedTimeoutError as e:
+            msg, kind = str(e), "timeout"
+            assert isinstance(e, TimeoutError)
+        elapsed = time.monotonic() - t0
+        # Leave before rank 1 arrives: it must still be told the reason (the timeout), not just
+        # that rank 0 is gone.
+        ddpc.distributed._default_group().destroy()
+        ddpc.get_store().set("cpu-test/timed-out", b"1")
+    else:
+        ddpc.get_store().get("cpu-test/timed-out", 30.0)
+        # Arriving late: the group was aborted by rank 0, so this fails at once with its reason.
+        try:
+            ddpc.all_reduce(np.ones(100, dtype=np.float32))
+        except ddpc.DistributedError as e:
+            msg, kind = str(e), type(e).__name__
+    ddpc.destroy_process_group()
+    return {"message": msg, "kind": kind, "elapsed": elapsed}
+
+
+def scenario_killed() -> Dict:
+    """Rank 1 dies (SIGKILL) in the middle of an all_reduce; rank 0 must raise PeerError long
+    before its 60 s timeout."""
+    import ddpc
+    init(timeout=60.0)
+    rank = ddpc.get_rank()
+    x = np.ones(BIG, dtype=np.float32)
+    ddpc.all_reduce(x)
+    if rank == 1:
+        ddpc.all_reduce(x, async_op=True)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        for _ in range(1000):
+            ddpc.all_reduce(x)
+    except ddpc.PeerError as e:
+        return {"message": str(e), "elapsed": time.monotonic() - t0}
+    raise AssertionError("no PeerError although rank 1 was killed")
+
+
+SCENARIOS = {"all": scenario_all, "single": scenario_single, "mismatch": scenario_mismatch,
+             "timeout": scenario_timeout, "killed": scenario_killed}
+
+
+# ------------------------------------------------------------------------- test side
+
+
+def run_job(scenario: str, world: int, tmp_path, transport: str = "auto",
+            timeout: float = 120.0, expect_dead: tuple = (), with_torch: bool = False) -> List[Dict]:
+    """Runs SCENARIO in `world` processes; returns each rank's JSON result (None for ranks in
+    expect_dead, which must die by SIGKILL)."""
+    env = dict(os.environ)
+    env.update({"PYTHONPATH": os.path.join(ROOT, "python"), "WORLD_SIZE": str(world),
+                "RDV": str(tmp_path / f"rdv-{scenario}-{world}-{transport}"),
+                "DDPC_CPU_TRANSPORT": transport, "DDPC_TOKEN": "test-token",
+                "DDPC_QUIET_TOKEN_WARNING": "1", "OMP_NUM_THREADS": "1",
+                "WITH_TORCH": "1" if with_torch else "0"})
+    procs = []
+    for r in range(world):
+        procs.append(subprocess.Popen([sys.executable, HERE, scenario],
+                                      env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for r, (rc, out, err) in enumerate(outs):
+        if r in expect_dead:
+            assert rc == -signal.SIGKILL, f"rank {r} should have been killed, rc={rc}\n{err}"
+            results.append(None)
+            continue
+        assert rc == 0, f"rank {r} of {scenario} (world {world}, {transport}) failed, rc={rc}:\n{err}"
+        line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        assert line, f"rank {r} printed no result:\n{out}\n{err}"
+        results.append(json.loads(line[-1][len("RESULT "):]))
+    return results
+
+
+@pytest.mark.parametrize("world,transport,with_torch",
+                         [(2, "shm", True), (2, "tcp", False), (3, "auto", False), (3, "tcp", False)])
+def test_all_collectives(world, transport, with_torch, tmp_path):
+    results = run_job("all", world, tmp_path, transport, with_torch=with_torch)
+    for r in results:
+        assert r["transport"] == ("shm" if transport == "auto" else transport)
+        assert r["checks"] > 200
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_world_size_one(transport, tmp_path):
+    (r,) = run_job("single", 1, tmp_path, transport)
+    assert r["transport"] == ("tcp" if transport == "tcp" else "shm")
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_mismatch_names_both_ranks(transport, tmp_path):
+    results = run_job("mismatch", 2, tmp_path, transport)
+    expected = [
+        ("rank 0 called all_reduce(count=1024, dtype=float32, op=sum)",
+         "rank 1 called all_reduce(count=512, dtype=float32, op=sum)"),
+        ("rank 0 called all_reduce(count=64, dtype=float32, op=sum)",
+         "rank 1 called all_reduce(count=64, dtype=float64, op=sum)"),
+        ("rank 0 called all_reduce(count=64, dtype=int32, op=sum)",
+         "rank 1 called all_reduce(count=64, dtype=int32, op=max)"),
+        ("rank 0 called broadcast(count=8, dtype=float64, src=0)", "rank 1 called barrier()"),
+    ]
+    for rank, r in enumerate(results):
+        assert len(r["messages"]) == len(expected)
+        for msg, (a, b) in zip(r["messages"], expected):
+            assert a in msg and b in msg, f"rank {rank}: {msg}"
+            assert "#2" in msg, msg
+
+
+def test_timeout_names_missing_rank(tmp_path):
+    r0, r1 = run_job("timeout", 2, tmp_path, "auto")
+    assert r0["kind"] == "timeout"
+    assert "all_reduce #2 timed out after 1.5s on rank 0" in r0["message"], r0["message"]
+    assert "rank 1 never arrived" in r0["message"], r0["message"]
+    assert "timeout=" in r0["message"]
+    # The late rank is told why the group is gone, with the original reason.
+    assert r1["kind"] == "DistributedTimeoutError", r1
+    assert "timed out" in r1["message"] and "rank 0" in r1["message"], r1["message"]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_killed_rank_raises_peer_error(transport, tmp_path):
+    r0, _ = run_job("killed", 2, tmp_path, transport, expect_dead=(1,))
+    assert "rank 1" in r0["message"], r0["message"]
+    assert r0["elapsed"] < 20, r0  # the timeout is 60 s
+
+
+# ------------------------------------------------------------------------- in-process groups
+# Two ranks as two threads of this process (the C core releases the GIL while it waits), for
+# setup and lifetime cases that need no separate processes.
+
+
+def make_pair(prefix: str, timeout: float = 10.0, **per_rank) -> List:
+    """Creates ranks 0 and 1 of a group concurrently; returns [(store, group) or exception]."""
+    import threading
+
+    from ddpc import _C
+    server = _C.StoreServer("127.0.0.1", 0, "tok")
+    out: List = [None, None]
+
+    def make(rank: int) -> None:
+        try:
+            store = _C.Store("127.0.0.1", server.port, "tok", rank, timeout)
+            kw = {k: v[rank] if isinstance(v, tuple) else v for k, v in per_rank.items()}
+            out[rank] = (store, _C.Group(store, rank, 2, timeout=timeout, prefix=prefix, **kw))
+        except Exception as e:  # noqa: BLE001 - handed to the test to inspect
+            out[rank] = e
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    make_pair.server = server  # keep the server alive as long as the groups
+    return out
+
+
+def post_sum(group, x: np.ndarray):
+    return group.post(0, 0, x.ctypes.data, x.size, 0, 0, 0, -1, 0, x)
+
+
+def test_transport_choice_follows_hosts():
+    import ddpc
+    forced = make_pair("forced", transport=1, host_id=("host-a", "host-b"))
+    for r in forced:
+        assert isinstance(r, ValueError), r
+        assert "rank 0 runs on 'host-a' and rank 1 on 'host-b'" in str(r), str(r)
+    auto = make_pair("auto", transport=0, host_id=("host-a", "host-b"))
+    assert [g.transport for _, g in auto] == ["tcp", "tcp"]
+    xs = [np.full(9, r + 1.0, dtype=np.float32) for r in range(2)]
+    for w in [post_sum(g, x) for (_, g), x in zip(auto, xs)]:
+        w.wait()
+    assert all((x == 3).all() for x in xs)
+    before = set(os.listdir("/dev/shm"))
+    same = make_pair("same", transport=0, host_id="host-a")
+    assert [g.transport for _, g in same] == ["shm", "shm"]
+    # The segment is unlinked as soon as both ranks mapped it: nothing to leak.
+    assert not [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("ddpc-same-")]
+    for _, g in auto + same:
+        g.destroy()
+    assert ddpc.DistributedError
+
+
+@pytest.mark.parametrize("transport", [1, 2])
+def test_abort_and_destroy_fail_peers_fast(transport):
+    import ddpc
+    (s0, g0), (s1, g1) = make_pair(f"abort{transport}", timeout=30.0, transport=transport)
+    x0, x1 = np.ones(10, dtype=np.float32), np.ones(10, dtype=np.float32)
+    w = post_sum(g0, x0)
+    t0 = time.monotonic()
+    g1.abort("the user gave up")
+    with pytest.raises(ddpc.PeerError, match="the user gave up"):
+        w.wait()
+    assert time.monotonic() - t0 < 10  # the timeout is 30 s
+    g0.destroy()
+    g1.destroy()
+    del w  # a work released after its group was destroyed must not touch freed memory
+    # Destroying a group while its collective waits for a peer fails that collective at once and
+    # tells the peer.
+    (s0, g0), (s1, g1) = make_pair(f"destroy{transport}", timeout=30.0, transport=transport)
+    w = post_sum(g0, x0)
+    t0 = time.monotonic()
+    g0.destroy()
+    with pytest.raises(ddpc.PeerError, match="destroyed"):
+        w.wait()
+    with pytest.raises(ddpc.DistributedError):
+        post_sum(g1, x1).wait()
+    assert time.monotonic() - t0 < 10
+    g1.destroy()
+
+
+if __name__ == "__main__":
+    result = SCENARIOS[sys.argv[1]]()
+    print("RESULT " + json.dumps(result), flush=True)

@@ -1,0 +1,422 @@
+"""GPU tests of the nccl backend and the CUDA kernels (marker `gpu`; run on a machine with >= 2
+GPUs: `python -m pytest -m gpu tests/test_gpu.py`). Each multi-rank test starts 2 real processes
+(spawn), one per GPU, through the public API (ddpc.init_process_group(backend="nccl")), and
+checks results against references computed on the host."""
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+import pytest
+
+from ddpc import _C
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.join(ROOT, "tests", "c", "bin")
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpu_count() -> int:
+    return _C.cuda_device_count() if _C.cuda_built() else 0
+
+
+def _torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+needs_1 = pytest.mark.skipif(_gpu_count() < 1, reason="needs a CUDA build of ddpc and a GPU")
+needs_2 = pytest.mark.skipif(
+    _gpu_count() < 2 or not _torch_cuda(),
+    reason="needs a CUDA build of ddpc, 2 visible GPUs and torch with CUDA")
+
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "int8"]
+FLOATS = {"float32", "float64", "float16", "bfloat16"}
+TOKEN = "ddpc-gpu-test-token"
+
+
+# ------------------------------------------------------------------------- process harness
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(target: Callable, rank: int, world: int, port: int, timeout: float,
+           kwargs: Dict[str, Any], results: Any) -> None:
+    """Runs in each spawned rank: joins the group the way a user script does, runs target."""
+    out: Dict[str, Any] = {"rank": rank, "pid": os.getpid()}
+    try:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), DDPC_TOKEN=TOKEN)
+        import torch
+        import ddpc
+        ddpc.init_process_group(backend="nccl", timeout=timeout)
+        out.update(target(rank, world, ddpc, torch, results=results, **kwargs) or {})
+        ddpc.destroy_process_group()
+    except BaseException:
+        out["error"] = traceback.format_exc()
+    results.put(out)
+
+
+def _run_ranks(target: Callable, world: int = 2, timeout: float = 60.0, wait: float = 240.0,
+               expect: Optional[List[int]] = None, on_message: Optional[Callable] = None,
+               **kwargs: Any) -> Dict[int, Dict[str, Any]]:
+    """Starts `world` ranks running target; returns {rank: result}. Ranks in `expect` (default:
+    all) must report; on_message(msg) sees messages that are not final results."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(target, r, world, port, timeout, kwargs, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    want = set(range(world) if expect is None else expect)
+    got: Dict[int, Dict[str, Any]] = {}
+    deadline = time.monotonic() + wait
+    try:
+        while not want <= set(got) and time.monotonic() < deadline:
+            try:
+                msg = results.get(timeout=1.0)
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs):
+                    break
+                continue
+            if msg.get("final", True):
+                got[msg["rank"]] = msg
+            elif on_message is not None:
+                on_message(msg)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    missing = want - set(got)
+    assert not missing, f"rank(s) {sorted(missing)} gave no result within {wait:.0f} s " \
+                        f"(exit codes {[p.exitcode for p in procs]})"
+    for r in sorted(want):
+        assert "error" not in got[r], f"rank {r} failed:\n{got[r]['error']}"
+    return got
+
+
+# ------------------------------------------------------------------------- references
+
+
+def _input(torch: Any, dtype: str, rank: int, n: int) -> Any:
+    """Rank `rank`'s input: every rank can make every other rank's, so references are local.
+    Integers stay in 0..10 so that sums and products of 2 ranks fit int8."""
+    g = torch.Generator().manual_seed(1000 + 17 * rank + DTYPES.index(dtype))
+    if dtype in FLOATS:
+        x = torch.randn(n, generator=g, dtype=torch.float64)
+    else:
+        x = torch.randint(0, 11, (n,), generator=g, dtype=torch.int64)
+    return x.to(getattr(torch, dtype))
+
+
+def _reduce(torch: Any, xs: List[Any], op: str, in_dtype: bool) -> Any:
+    """The reduction over ranks: in float64/int64 (in_dtype False), or step by step in the
+    inputs' own dtype on the host (in_dtype True: what a low-precision device computes)."""
+    wide = xs if in_dtype else [x.to(torch.float64 if x.is_floating_point() else torch.int64)
+                                for x in xs]
+    acc = wide[0].clone()
+    for x in wide[1:]:
+        if op in ("sum", "avg"):
+            acc = acc + x
+        elif op == "prod":
+            acc = acc * x
+        elif op == "min":
+            acc = torch.minimum(acc, x)
+        elif op == "max":
+            acc = torch.maximum(acc, x)
+    if op == "avg":
+        acc = acc / len(xs) if acc.is_floating_point() else torch.div(acc, len(xs),
+                                                                      rounding_mode="floor")
+    return acc
+
+
+def _compare(torch: Any, got: Any, xs: List[Any], op: str, what: str) -> Optional[str]:
+    """None when got matches the reduction of xs. Integers: exactly. Floats: the error against
+    float64 may be at most twice the error of the same reduction done in the dtype on the host."""
+    got = got.cpu()
+    if not got.is_floating_point():
+        want = _reduce(torch, xs, op, False).to(got.dtype)
+        if torch.equal(got, want):
+            return None
+        bad = (got != want).nonzero()[0].item()
+        return f"{what}: element {bad} is {got[bad].item()}, expected {want[bad].item()}"
+    ref = _reduce(torch, xs, op, False)
+    own = _reduce(torch, xs, op, True).to(torch.float64)
+    err = (got.to(torch.float64) - ref).abs().max().item()
+    allowed = 2 * (own - ref).abs().max().item()
+    if err <= allowed:
+        return None
+    return f"{what}: max error {err:.3g} against float64, allowed {allowed:.3g}"
+
+
+# ------------------------------------------------------------------------- rank programs
+
+
+def _w_collectives(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dict[str, Any]:
+    """Every collective and dtype on CUDA tensors of this rank's GPU."""
+    failures: List[str] = []
+    dev = torch.device("cuda", rank)
+    n = 4099
+    for dtype in DTYPES:
+        xs = [_input(torch, dtype, r, n) for r in range(world)]
+        ops = ["sum", "avg", "min", "max", "prod"]
+        for op in ops:
+            t = xs[rank].to(dev)
+            ddpc.all_reduce(t, op=op)
+            failures.append(_compare(torch, t, xs, op, f"all_reduce {op} {dtype}"))
+        t = xs[rank].to(dev)
+        ddpc.broadcast(t, src=1)
+        if not torch.equal(t.cpu(), xs[1]):
+            failures.append(f"broadcast {dtype}: rank {rank} does not hold rank 1's tensor")
+        out = torch.empty(world * n, dtype=xs[0].dtype, device=dev)
+        ddpc.all_gather_into_tensor(out, xs[rank].to(dev))
+        if not torch.equal(out.cpu(), torch.cat(xs)):
+            failures.append(f"all_gather_into_tensor {dtype}: wrong result")
+        big = [torch.cat([_input(torch, dtype, r, n), _input(torch, dtype, r + 5, n)])
+               for r in range(world)]
+        part = torch.empty(n, dtype=xs[0].dtype, device=dev)
+        ddpc.reduce_scatter_tensor(part, big[rank].to(dev), op="sum")
+        mine = [b[rank * n:(rank + 1) * n] for b in big]
+        failures.append(_compare(torch, part, mine, "sum", f"reduce_scatter_tensor {dtype}"))
+    # Zero elements: nothing moves, nothing hangs, and the next collective still lines up.
+    empty = torch.empty(0, device=dev)
+    ddpc.all_reduce(empty)
+    one = torch.full((1,), float(rank + 1), device=dev)
+    ddpc.all_reduce(one)
+    if one.item() != sum(range(1, world + 1)):
+        failures.append(f"all_reduce after a zero-element one gave {one.item()}")
+    # A barrier holds every rank until the last arrives.
+    if rank == 1:
+        time.sleep(1.0)
+    t0 = time.monotonic()
+    ddpc.barrier()
+    waited = time.monotonic() - t0
+    if rank == 0 and waited < 0.7:
+        failures.append(f"barrier returned after {waited:.2f} s on rank 0 while rank 1 slept 1 s")
+    return {"failures": [f for f in failures if f]}
+
+
+def _w_streams(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dict[str, Any]:
+    """Stream ordering: the collective starts after the work queued on the caller's stream, and
+    Work.wait() makes the current stream wait for it, with no host synchronization."""
+    failures: List[str] = []
+    dev = torch.device("cuda", rank)
+    n = 64 * 1024 * 1024 // 4
+    side = torch.cuda.Stream(device=dev)
+    x = torch.zeros(n, device=dev)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)    # ~0.5 s of GPU time before x gets its value
+        x.fill_(float(rank + 1))
+        work = ddpc.all_reduce(x, async_op=True)
+    # The host did not wait for any of that.
+    if work.is_completed():
+        failures.append("all_reduce was already complete while its input was still being written")
+    work.wait()                              # the default stream now waits for the collective
+    y = x.clone()                            # runs on the default stream, after the wait
+    total = float(sum(range(1, world + 1)))
+    if not torch.all(y == total).item():
+        failures.append(f"after wait() the result holds {y.unique()[:5].tolist()}, expected "
+                        f"{total}: the collective ran before its input was written, or the "
+                        "stream did not wait for it")
+    # The watchdog completes the work on the host side too, without any call into ddpc.
+    deadline = time.monotonic() + 10
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not work.is_completed():
+        failures.append("is_completed() stayed False for 10 s after the collective finished")
+    # Many back-to-back async collectives, waited for in one go, stay in order.
+    ts = [torch.full((1000,), float(i + rank), device=dev) for i in range(50)]
+    works = [ddpc.all_reduce(t, async_op=True) for t in ts]
+    for w in works:
+        w.wait()
+    for i, t in enumerate(ts):
+        want = sum(float(i + r) for r in range(world))
+        if not torch.all(t == want).item():
+            failures.append(f"async all_reduce {i} of 50 holds {t[0].item()}, expected {want}")
+            break
+    return {"failures": failures}
+
+
+def _w_hold(rank: int, world: int, ddpc: Any, torch: Any, results: Any, go: Any) -> Dict[str, Any]:
+    """Joins, runs a collective, reports its pid, and stays alive until the parent looked."""
+    t = torch.ones(1024, device=torch.device("cuda", rank))
+    ddpc.all_reduce(t)
+    torch.cuda.synchronize()
+    results.put({"rank": rank, "pid": os.getpid(), "final": False})
+    go.wait(120)
+    return {}
+
+
+def _w_victim(rank: int, world: int, ddpc: Any, torch: Any, results: Any,
+              victim: int) -> Dict[str, Any]:
+    """Rank `victim` dies by SIGKILL after the first collective; the survivor's next collective
+    must raise ddpc.DistributedError well within the timeout, naming what happened."""
+    t = torch.ones(1024, device=torch.device("cuda", rank))
+    ddpc.all_reduce(t)
+    torch.cuda.synchronize()
+    ddpc.barrier()
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    try:
+        ddpc.all_reduce(t)
+        ddpc.barrier()
+    except ddpc.DistributedError as e:
+        return {"raised": type(e).__name__, "message": str(e), "after": time.monotonic() - t0}
+    return {"raised": None, "after": time.monotonic() - t0}
+
+
+def _w_absent(rank: int, world: int, ddpc: Any, torch: Any, results: Any,
+              stay: float) -> Dict[str, Any]:
+    """Rank 1 stays alive but skips a collective: rank 0 must time out naming rank 1."""
+    t = torch.ones(1024, device=torch.device("cuda", rank))
+    ddpc.all_reduce(t)
+    ddpc.barrier()
+    if rank == 1:
+        time.sleep(stay)
+        return {}
+    t0 = time.monotonic()
+    try:
+        ddpc.all_reduce(t)
+        ddpc.barrier()
+    except ddpc.DistributedError as e:
+        return {"raised": type(e).__name__, "message": str(e), "after": time.monotonic() - t0,
+                "is_timeout": isinstance(e, TimeoutError)}
+    return {"raised": None}
+
+
+# ------------------------------------------------------------------------- tests
+
+
+@needs_2
+def test_every_collective_and_dtype():
+    res = _run_ranks(_w_collectives)
+    for r, out in res.items():
+        assert not out["failures"], f"rank {r}:\n" + "\n".join(out["failures"])
+
+
+@needs_2
+def test_stream_ordering_and_async():
+    res = _run_ranks(_w_streams)
+    for r, out in res.items():
+        assert not out["failures"], f"rank {r}:\n" + "\n".join(out["failures"])
+
+
+@needs_2
+def test_each_rank_holds_memory_on_its_own_gpu():
+    if not shutil.which("nvidia-smi"):
+        pytest.skip("nvidia-smi is not on PATH")
+    from ddpc.doctor import visible_mapping, query_driver
+    pids: Dict[int, int] = {}
+    seen: Dict[int, set] = {}
+    gpus = query_driver().gpus
+    visible, _ = visible_mapping(os.environ.get("CUDA_VISIBLE_DEVICES"), gpus)
+
+    def look(msg: Dict[str, Any]) -> None:
+        pids[msg["rank"]] = msg["pid"]
+        if len(pids) == 2:
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid",
+                                  "--format=csv,noheader"], capture_output=True, text=True,
+                                 timeout=30).stdout
+            for row in out.strip().splitlines():
+                pid, uuid = [c.strip() for c in row.split(",")][:2]
+                seen.setdefault(int(pid), set()).add(uuid)
+            go.set()
+
+    import multiprocessing as mp
+    go = mp.get_context("spawn").Event()
+    _run_ranks(_w_hold, on_message=look, go=go)
+    if not any(p in seen for p in pids.values()):
+        pytest.skip("nvidia-smi does not list this machine's process ids (a container's pid "
+                    "namespace): cannot attribute GPU memory to ranks")
+    for r, pid in pids.items():
+        assert seen.get(pid) == {visible[r].uuid}, (
+            f"rank {r} (pid {pid}) holds memory on {sorted(seen.get(pid, []))}, expected only "
+            f"GPU {visible[r].index} ({visible[r].uuid})")
+
+
+@needs_2
+@pytest.mark.parametrize("victim", [1, 0])
+def test_killed_rank_makes_survivor_raise(victim):
+    timeout = 60.0
+    survivor = 1 - victim
+    res = _run_ranks(_w_victim, timeout=timeout, expect=[survivor], victim=victim)
+    out = res[survivor]
+    assert out["raised"], f"rank {survivor} did not raise after rank {victim} died"
+    # The store reports the death (or its own loss) within a second or two: far sooner than
+    # the timeout, which would be the fallback.
+    assert out["after"] < timeout / 2, out
+    assert f"rank {victim}" in out["message"], out["message"]
+
+
+@needs_2
+def test_absent_rank_times_out_and_is_named():
+    timeout = 8.0
+    res = _run_ranks(_w_absent, timeout=timeout, stay=timeout + 8)
+    out = res[0]
+    assert out["raised"] == "DistributedTimeoutError" and out["is_timeout"], out
+    assert "rank 1 never arrived" in out["message"], out["message"]
+    assert timeout - 1 <= out["after"] < timeout + 20, out
+
+
+def _build_kernel_test() -> str:
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if not os.path.exists(nvcc) or cc is None:
+        pytest.skip("needs nvcc and a C compiler")
+    cuda_inc = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "include")
+    os.makedirs(BIN, exist_ok=True)
+    objs = []
+    for src in ("tests/c/test_kernels.c", "csrc/common.c", "csrc/reduce.c"):
+        obj = os.path.join(BIN, "k_" + os.path.basename(src) + ".o")
+        cmd = [cc, "-std=c11", "-D_GNU_SOURCE", "-O2", "-Wall", "-Wextra", "-Werror",
+               "-DDDPC_WITH_CUDA=1", "-I", os.path.join(ROOT, "csrc"), "-I", cuda_inc,
+               "-c", os.path.join(ROOT, src), "-o", obj]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
+        objs.append(obj)
+    archs = [a for a in os.environ.get("DDPC_CUDA_ARCHS", "80;90").split(";") if a]
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    obj = os.path.join(BIN, "k_kernels.cu.o")
+    cmd = [nvcc, "-std=c++17", "-O3", "-DDDPC_WITH_CUDA=1", "-I", os.path.join(ROOT, "csrc"),
+           *gencode, "-c", os.path.join(ROOT, "csrc", "kernels.cu"), "-o", obj]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
+    exe = os.path.join(BIN, "test_kernels")
+    cmd = [nvcc, *objs, obj, "-o", exe, "-lm"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
+    return exe
+
+
+@needs_1
+def test_device_kernels():
+    exe = _build_kernel_test()
+    r = subprocess.run([exe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"test_kernels failed:\n{r.stdout}\n{r.stderr}"
+    assert r.stdout.startswith("ok: "), r.stdout
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v", "-m", "gpu"]))

@@ -1,0 +1,384 @@
+"""Tests of python -m ddpc.launch with real worker processes: environment, output prefixes,
+failure summaries, restarts, module mode, Ctrl-C, GPU selection (through a stand-in
+nvidia-smi) and argument errors."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYDIR = os.path.join(ROOT, "python")
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def launcher_env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PYDIR, env.get("PYTHONPATH")) if p)
+    for key in ("OMP_NUM_THREADS", "DDPC_TOKEN", "CUDA_VISIBLE_DEVICES"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def launch(args, tmp_path, timeout=40, env=None):
+    """Runs the launcher to completion; returns (exit code, stdout, stderr, seconds)."""
+    start = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "ddpc.launch"] + args, cwd=tmp_path,
+                         env=env or launcher_env(), capture_output=True, text=True,
+                         errors="replace", timeout=timeout)
+    return res.returncode, res.stdout, res.stderr, time.monotonic() - start
+
+
+def write(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def pid_alive(pid):
+    """True while pid exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_gone(pids, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if pid_alive(p)]
+
+
+ENV_KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+            "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+            "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS", "DDPC_TOKEN",
+            "DDPC_ERROR_FILE", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"]
+
+ENV_SCRIPT = f"""
+    import json, os, sys
+    info = {{k: os.environ.get(k) for k in {ENV_KEYS!r}}}
+    info.update(argv=sys.argv, path0=sys.path[0], name=__name__)
+    print("ENV " + json.dumps(info))
+"""
+
+
+def env_reports(stdout):
+    """{rank: info} from the ENV lines, checking each carries its own rank's prefix."""
+    reports = {}
+    for m in re.finditer(r"^\[rank(\d+)\]: ENV (.*)$", stdout, re.M):
+        info = json.loads(m.group(2))
+        assert info["RANK"] == m.group(1), "line prefixed with another rank"
+        reports[int(info["RANK"])] = info
+    return reports
+
+
+def test_env_vars_for_two_ranks(tmp_path):
+    write(tmp_path, "show_env.py", ENV_SCRIPT)
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "show_env.py", "--lr", "3e-5"], tmp_path)
+    assert rc == 0, err
+    reports = env_reports(out)
+    assert sorted(reports) == [0, 1]
+    r0, r1 = reports[0], reports[1]
+    for r, info in reports.items():
+        assert info["LOCAL_RANK"] == info["ROLE_RANK"] == str(r)
+        assert info["WORLD_SIZE"] == info["LOCAL_WORLD_SIZE"] == info["ROLE_WORLD_SIZE"] == "2"
+        assert info["GROUP_RANK"] == "0"
+        assert info["MASTER_ADDR"] == "127.0.0.1"
+        assert 1 <= int(info["MASTER_PORT"]) <= 65535
+        assert info["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert info["TORCHELASTIC_MAX_RESTARTS"] == "0"
+        assert info["OMP_NUM_THREADS"] == "1"
+        assert re.fullmatch(r"[0-9a-f]{32}", info["DDPC_TOKEN"])
+        assert info["DDPC_ERROR_FILE"].endswith(f"rank{r}-error.json")
+        assert info["CUDA_VISIBLE_DEVICES"] is None
+        # The script runs as `python show_env.py --lr 3e-5` would run it.
+        assert info["argv"] == ["show_env.py", "--lr", "3e-5"]
+        assert info["path0"] == str(tmp_path)
+        assert info["name"] == "__main__"
+    for key in ("MASTER_PORT", "DDPC_TOKEN", "TORCHELASTIC_RUN_ID"):
+        assert r0[key] == r1[key], key
+    assert "OMP_NUM_THREADS=1" in err  # the one-line notice
+
+    # A token given in the environment is kept (multi-node jobs share one); a fresh one otherwise.
+    rc, out2, err, _ = launch(["--nproc-per-node", "1", "show_env.py"], tmp_path,
+                              env=launcher_env(DDPC_TOKEN="feedbeef", OMP_NUM_THREADS="3"))
+    assert rc == 0, err
+    info = env_reports(out2)[0]
+    assert info["DDPC_TOKEN"] == "feedbeef"
+    assert info["OMP_NUM_THREADS"] == "3"
+    rc, out3, err, _ = launch(["--nproc-per-node", "1", "show_env.py"], tmp_path)
+    assert env_reports(out3)[0]["DDPC_TOKEN"] != r0["DDPC_TOKEN"]
+
+
+def test_output_is_prefixed_per_rank_and_stream(tmp_path):
+    write(tmp_path, "talk.py", """
+        import os, sys, time
+        r = os.environ["RANK"]
+        print(f"hello from {r}")
+        print(f"warning from {r}", file=sys.stderr)
+        sys.stdout.buffer.write(b"bytes \\xff\\xfe\\x00 end\\n")
+        sys.stdout.write("progress 10%\\rprogress 100%\\n")
+        sys.stdout.write(f"no newline {r}")
+        sys.stdout.flush()
+        time.sleep(1.5)  # longer than the launcher's partial-line wait
+    """)
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "talk.py"], tmp_path)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert all(re.match(r"\[rank[01]\]: ", ln) for ln in lines), lines
+    for r in (0, 1):
+        assert f"[rank{r}]: hello from {r}" in lines
+        assert f"[rank{r}]: warning from {r}" in err.splitlines()
+        assert f"[rank{r}]: warning from {r}" not in lines
+        assert f"[rank{r}]: no newline {r}" in lines
+        assert f"[rank{r}]: progress 100%" in lines
+        assert any(ln.startswith(f"[rank{r}]: bytes ") and ln.endswith(" end") for ln in lines)
+
+
+def test_exception_summary_and_others_stopped(tmp_path):
+    write(tmp_path, "fail.py", """
+        import os, subprocess, time
+        def explode():
+            raise ValueError("bad shape 3x4")
+        if os.environ["RANK"] == "1":
+            while not os.path.exists("rank0-ready"):  # fail once rank 0 is asleep
+                time.sleep(0.05)
+            explode()
+        child = subprocess.Popen(["sleep", "60"])
+        print(f"PIDS {os.getpid()} {child.pid}", flush=True)
+        open("rank0-ready", "w").close()
+        time.sleep(60)
+    """)
+    rc, out, err, elapsed = launch(["--nproc-per-node", "2", "fail.py"], tmp_path)
+    assert rc == 1
+    assert elapsed < 20, "the sleeping rank was not stopped promptly"
+    assert "rank 1 (local rank 1" in err and "failed first: exit code 1" in err
+    assert "rank 1 raised ValueError: bad shape 3x4" in err
+    summary = err[err.index("failed first"):]
+    assert re.search(r'File ".*fail\.py", line 4, in explode', summary)
+    assert "ddpc/_worker.py" not in summary  # the traceback starts at the user's code
+    assert "rank 0: stopped by the launcher (SIGTERM)" in summary
+    pids = [int(p) for p in re.search(r"\[rank0\]: PIDS (\d+) (\d+)", out).groups()]
+    assert wait_gone(pids) == [], "rank 0 or its child survived"
+
+
+COLLECTIVE_SCRIPT = """
+    import os
+    import numpy as np
+    import ddpc
+    ddpc.init_process_group()
+    x = np.full(8, ddpc.get_rank() + 1.0, dtype=np.float32)
+    ddpc.all_reduce(x)
+    print(f"SUM {x[0]} {ddpc.get_world_size()}", flush=True)
+    if os.environ.get("FAIL_RANK") == str(ddpc.get_rank()):
+        raise RuntimeError("this rank gives up after the first all_reduce")
+    ddpc.all_reduce(x)  # the others wait here for a rank that failed
+    ddpc.destroy_process_group()
+"""
+
+
+def test_ranks_join_a_real_process_group(tmp_path):
+    write(tmp_path, "collective.py", COLLECTIVE_SCRIPT)
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "collective.py"], tmp_path)
+    assert rc == 0, err
+    assert "[rank0]: SUM 3.0 2" in out and "[rank1]: SUM 3.0 2" in out
+
+    rc, out, err, elapsed = launch(["--nproc-per-node", "2", "collective.py"], tmp_path,
+                                   env=launcher_env(FAIL_RANK="1"))
+    assert rc == 1
+    assert elapsed < 30, "the rank waiting for the failed one was not stopped"
+    assert "rank 1 (local rank 1" in err and "failed first" in err
+    assert "RuntimeError: this rank gives up after the first all_reduce" in err
+
+
+def test_sigkill_is_reported_as_likely_oom(tmp_path):
+    write(tmp_path, "oom.py", """
+        import os, signal, sys, time
+        if os.environ["RANK"] == "0":
+            print("allocating a lot", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    """)
+    rc, _, err, elapsed = launch(["--nproc-per-node", "2", "oom.py"], tmp_path)
+    assert rc == 128 + 9
+    assert elapsed < 20
+    assert "rank 0" in err and "signal SIGKILL" in err
+    assert "out-of-memory" in err
+    assert "allocating a lot" in err[err.index("failed first"):]  # stderr tail, no traceback
+
+
+def test_exit_code_is_passed_on(tmp_path):
+    write(tmp_path, "three.py", """
+        import os, sys
+        sys.exit(3 if os.environ["RANK"] == "1" else 0)
+    """)
+    rc, _, err, _ = launch(["--nproc-per-node", "2", "three.py"], tmp_path)
+    assert rc == 3
+    assert "rank 1 (local rank 1" in err and "failed first: exit code 3" in err
+
+
+def test_max_restarts_restarts_the_group(tmp_path):
+    write(tmp_path, "flaky.py", """
+        import os
+        n = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        print(f"ATTEMPT {n} {os.environ['DDPC_TOKEN']}", flush=True)
+        if n == 0 and os.environ["RANK"] == "1":
+            raise RuntimeError("transient failure")
+    """)
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "--max-restarts", "1", "flaky.py"],
+                             tmp_path)
+    assert rc == 0, err
+    attempts = {(r, n): t for r, n, t in
+                re.findall(r"^\[rank(\d)\]: ATTEMPT (\d) (\w+)$", out, re.M)}
+    # Rank 0 may be stopped before it prints in attempt 0; everything else must be there.
+    assert {("1", "0"), ("0", "1"), ("1", "1")} <= set(attempts), attempts
+    assert attempts[("1", "0")] != attempts[("1", "1")], "a restart must get a fresh token"
+    assert "restarting all 2 local ranks (restart 1 of 1)" in err
+    assert "RuntimeError: transient failure" in err
+
+    rc, _, err, _ = launch(["--nproc-per-node", "2", "flaky.py"], tmp_path)
+    assert rc == 1 and "restarting" not in err
+
+
+def test_module_mode(tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    write(pkg, "train.py", ENV_SCRIPT)
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "-m", "mypkg.train", "--epochs", "1"],
+                             tmp_path)
+    assert rc == 0, err
+    reports = env_reports(out)
+    assert sorted(reports) == [0, 1]
+    for info in reports.values():
+        assert info["name"] == "__main__"
+        assert info["argv"] == [str(pkg / "train.py"), "--epochs", "1"]
+        assert info["path0"] == str(tmp_path)
+
+
+def test_ctrl_c_stops_every_worker(tmp_path):
+    write(tmp_path, "sleepy.py", """
+        import os, time
+        print(f"PID {os.getpid()}", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-m", "ddpc.launch", "--nproc-per-node", "2",
+                             "sleepy.py"], cwd=tmp_path, env=launcher_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = []
+        deadline = time.monotonic() + 30
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            m = re.search(r"PID (\d+)", line)
+            if m:
+                pids.append(int(m.group(1)))
+        assert len(pids) == 2, "workers did not start"
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, err
+    assert "got SIGINT" in err
+    assert "KeyboardInterrupt" in err  # the workers got SIGINT first, not a bare kill
+    assert wait_gone(pids) == []
+
+
+def test_multi_node_ranks_on_one_host(tmp_path):
+    write(tmp_path, "show_env.py", ENV_SCRIPT)
+    env = launcher_env(DDPC_TOKEN="0123456789abcdef")
+    procs = [subprocess.Popen([sys.executable, "-m", "ddpc.launch", "--nnodes", "2",
+                               "--node-rank", str(node), "--master-addr", "127.0.0.1",
+                               "--nproc-per-node", "2", "show_env.py"],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    reports = {}
+    for p in procs:
+        out, err = p.communicate(timeout=40)
+        assert p.returncode == 0, err
+        reports.update(env_reports(out))
+    assert sorted(reports) == [0, 1, 2, 3]
+    for r, info in reports.items():
+        assert info["GROUP_RANK"] == str(r // 2)
+        assert info["LOCAL_RANK"] == str(r % 2)
+        assert info["WORLD_SIZE"] == "4" and info["LOCAL_WORLD_SIZE"] == "2"
+        assert info["MASTER_PORT"] == "29500"
+        assert info["DDPC_TOKEN"] == "0123456789abcdef"
+        assert info["TORCHELASTIC_RUN_ID"] == "none"
+
+
+FAKE_SMI = """#!/bin/sh
+case "$1" in
+  --query-gpu=*)
+    echo "0, 00000000:18:00.0, GPU-aaaa, NVIDIA H200, 1000, 143771"
+    echo "1, 00000000:2A:00.0, GPU-bbbb, NVIDIA H200, 100000, 143771"
+    echo "2, 00000000:3A:00.0, GPU-cccc, NVIDIA H200, 140000, 143771" ;;
+  --query-compute-apps=*)
+    echo "GPU-aaaa, 4242" ;;
+  *) exit 1 ;;
+esac
+"""
+
+
+def test_gpu_selection_through_nvidia_smi(tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    smi = bindir / "nvidia-smi"
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    write(tmp_path, "show_env.py", ENV_SCRIPT)
+    env = launcher_env(PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}")
+
+    rc, out, err, _ = launch(["--gpus", "auto", "--nproc-per-node", "2", "show_env.py"],
+                             tmp_path, env=env)
+    assert rc == 0, err
+    reports = env_reports(out)
+    assert sorted(reports) == [0, 1]
+    for info in reports.values():  # GPU 0 runs someone else's process
+        assert info["CUDA_VISIBLE_DEVICES"] == "1,2"
+        assert info["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert re.search(r"rank 0 -> GPU 1 \(00000000:2A:00\.0, NVIDIA H200, 97\.7 of", err)
+    assert re.search(r"rank 1 -> GPU 2 \(00000000:3A:00\.0, NVIDIA H200, 136\.7 of", err)
+
+    rc, out, err, _ = launch(["--gpus", "2,0", "show_env.py"], tmp_path, env=env)
+    assert rc == 0, err
+    assert [i["CUDA_VISIBLE_DEVICES"] for i in env_reports(out).values()] == ["2,0", "2,0"]
+
+    rc, _, err, _ = launch(["--gpus", "auto", "--nproc-per-node", "3", "show_env.py"],
+                           tmp_path, env=env)
+    assert rc == 2 and "argument --gpus" in err and "GPU 0: pids 4242" in err
+    rc, _, err, _ = launch(["--gpus", "1,5", "show_env.py"], tmp_path, env=env)
+    assert rc == 2 and "GPU index 5 is not present" in err and "0, 1, 2" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc-per-node", "0", "ok.py"], "argument --nproc-per-node"),
+    (["--nproc-per-node", "two", "ok.py"], "expected a positive integer or 'auto'"),
+    (["missing.py"], "'missing.py' not found"),
+    (["-m", "no_such_module_xyz"], "no module named 'no_such_module_xyz'"),
+    (["--gpus", "1,1", "ok.py"], "argument --gpus: GPU indices must be distinct"),
+    (["--gpus", "0", "--nproc-per-node", "2", "ok.py"], "lists 1 GPU(s) but --nproc-per-node"),
+    (["--nnodes", "2", "ok.py"], "argument --master-addr: required"),
+    (["--nnodes", "2", "--master-addr", "10.0.0.1", "ok.py"], "export DDPC_TOKEN="),
+    (["--node-rank", "1", "ok.py"], "argument --node-rank: 1 is not below --nnodes 1"),
+    (["--master-port", "70000", "ok.py"], "argument --master-port"),
+    (["--timeout-kill", "-1", "ok.py"], "argument --timeout-kill"),
+])
+def test_bad_arguments_are_named(tmp_path, args, message):
+    write(tmp_path, "ok.py", "print('ran')\n")
+    rc, out, err, _ = launch(args, tmp_path)
+    assert rc == 2
+    assert message in err
+    assert "ran" not in out
