@@ -77,14 +77,16 @@ def worker(args: argparse.Namespace) -> None:
             torch.cuda.synchronize(dev)
 
     def timed(fn, x, n: int) -> float:
-        """Seconds per all-reduce over n calls, the slowest rank's view (all ranks agree)."""
-        ddpc.barrier()
+        """Seconds per all-reduce over n calls, the slowest rank's view (all ranks agree). The
+        rendezvous and the max go through torch on the benchmark's device (NCCL takes no host
+        tensors), outside the timed loop."""
+        dist.all_reduce(torch.zeros(1, device=dev))
         sync()
         t0 = time.perf_counter()
         for _ in range(n):
             fn(x)
         sync()
-        dt = torch.tensor([(time.perf_counter() - t0) / n], dtype=torch.float64)
+        dt = torch.tensor([(time.perf_counter() - t0) / n], dtype=torch.float64, device=dev)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         return float(dt.item())
 

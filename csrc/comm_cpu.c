@@ -214,7 +214,8 @@ static inline void cpu_relax(void) {
 static inline int reached(uint32_t v, uint32_t target) { return (int32_t)(v - target) >= 0; }
 
 static void shm_wake_all(CpuComm *c) {
-    for (int q = 0; q < c->g->world; q++) futex_call(&c->hdr->ranks[q].step, FUTEX_WAKE, INT_MAX, NULL);
+    for (int q = 0; q < c->g->world; q++)
+        futex_call(&c->hdr->ranks[q].step, FUTEX_WAKE, INT_MAX, NULL);
 }
 
 static void shm_signal(CpuComm *c) {
@@ -343,8 +344,8 @@ static void shm_chunk_end(CpuComm *c, uint64_t j) {
     c->chunk_done[j & 1] = c->step;
 }
 
-/* Publishes the descriptor and signals the first phase; after everyone has, compares them. The
- * first chunk's data travels with this signal, so a small collective pays one round only. */
+/* Publishes this rank's descriptor. Peers read it after the first phase, whose signal also
+ * announces the first chunk's data: a small collective checks arguments without an extra round. */
 static void shm_post_desc(const Coll *x) {
     x->c->hdr->ranks[x->rank].desc[x->seq & 1] = make_desc(x);
 }
@@ -497,7 +498,8 @@ static ddpc_status shm_reduce_scatter(const Coll *x) {
         DDPC_CHECK(shm_chunk_begin(x, &j));
         char *mine = slot_of(c, me, j);
         for (int q = 0; q < P; q++)
-            if (q != me) memcpy(mine + (size_t)q * chunk * es, send + ((size_t)q * cnt + off) * es, n * es);
+            if (q != me)
+                memcpy(mine + (size_t)q * chunk * es, send + ((size_t)q * cnt + off) * es, n * es);
         if (off == 0) shm_post_desc(x);
         shm_signal(c);
         DDPC_CHECK(shm_wait_all(x, c->step));
@@ -545,7 +547,8 @@ static ddpc_status random_bytes(unsigned char *out, size_t n) {
         ssize_t k = getrandom(out + got, n - got, 0);
         if (k == -1) {
             if (errno == EINTR) continue;
-            return ddpc_error(DDPC_ERR_SYSTEM, "getrandom(%zu bytes) failed: %s", n, strerror(errno));
+            return ddpc_error(DDPC_ERR_SYSTEM, "getrandom(%zu bytes) failed: %s", n,
+                              strerror(errno));
         }
         got += (size_t)k;
     }
@@ -574,7 +577,8 @@ static ddpc_status shm_create(CpuComm *c, const char *name) {
     c->map_len = shm_header_bytes(g->world) + (size_t)g->world * 2 * c->slot;
     int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
     if (fd == -1)
-        return ddpc_error(DDPC_ERR_SYSTEM, "shm_open(%s, O_CREAT) failed: %s", name, strerror(errno));
+        return ddpc_error(DDPC_ERR_SYSTEM, "shm_open(%s, O_CREAT) failed: %s", name,
+                          strerror(errno));
     ddpc_status st = DDPC_OK;
     int rc;
     if (ftruncate(fd, (off_t)c->map_len) == -1) {
@@ -1026,7 +1030,8 @@ static ddpc_status tcp_reduce_scatter(const Coll *x) {
 
 static ddpc_status set_nodelay(int fd) {
     int one = 1;
-    DDPC_SYSCHECK(setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one), "setsockopt(TCP_NODELAY)");
+    DDPC_SYSCHECK(setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one),
+                  "setsockopt(TCP_NODELAY)");
     return DDPC_OK;
 }
 

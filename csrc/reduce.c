@@ -344,7 +344,8 @@ static void to_f32(float *restrict dst, const void *restrict src, size_t n, ddpc
 ddpc_status ddpc_convert_host(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
                               size_t n) {
     if (!ddpc_dtype_size(dst_dt) || !ddpc_dtype_size(src_dt))
-        return ddpc_error(DDPC_ERR_INVALID, "ddpc_convert_host: unknown dtype code %d (valid: 0..%d)",
+        return ddpc_error(DDPC_ERR_INVALID,
+                          "ddpc_convert_host: unknown dtype code %d (valid: 0..%d)",
                           ddpc_dtype_size(dst_dt) ? (int)src_dt : (int)dst_dt, DDPC_NUM_DTYPES - 1);
     if (n && (!dst || !src))
         return ddpc_error(DDPC_ERR_INVALID, "ddpc_convert_host: %s buffer is NULL",

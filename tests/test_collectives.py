@@ -372,7 +372,8 @@ SCENARIOS = {"all": scenario_all, "single": scenario_single, "mismatch": scenari
 
 
 def run_job(scenario: str, world: int, tmp_path, transport: str = "auto",
-            timeout: float = 120.0, expect_dead: tuple = (), with_torch: bool = False) -> List[Dict]:
+            timeout: float = 120.0, expect_dead: tuple = (),
+            with_torch: bool = False) -> List[Dict]:
     """Runs SCENARIO in `world` processes; returns each rank's JSON result (None for ranks in
     expect_dead, which must die by SIGKILL)."""
     env = dict(os.environ)
@@ -403,7 +404,8 @@ def run_job(scenario: str, world: int, tmp_path, transport: str = "auto",
             assert rc == -signal.SIGKILL, f"rank {r} should have been killed, rc={rc}\n{err}"
             results.append(None)
             continue
-        assert rc == 0, f"rank {r} of {scenario} (world {world}, {transport}) failed, rc={rc}:\n{err}"
+        assert rc == 0, (f"rank {r} of {scenario} (world {world}, {transport}) failed, "
+                         f"rc={rc}:\n{err}")
         line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
         assert line, f"rank {r} printed no result:\n{out}\n{err}"
         results.append(json.loads(line[-1][len("RESULT "):]))
@@ -411,7 +413,8 @@ def run_job(scenario: str, world: int, tmp_path, transport: str = "auto",
 
 
 @pytest.mark.parametrize("world,transport,with_torch",
-                         [(2, "shm", True), (2, "tcp", False), (3, "auto", False), (3, "tcp", False)])
+                         [(2, "shm", True), (2, "tcp", False), (3, "auto", False),
+                          (3, "tcp", False)])
 def test_all_collectives(world, transport, with_torch, tmp_path):
     results = run_job("all", world, tmp_path, transport, with_torch=with_torch)
     for r in results:
@@ -497,7 +500,6 @@ def post_sum(group, x: np.ndarray):
 
 
 def test_transport_choice_follows_hosts():
-    import ddpc
     forced = make_pair("forced", transport=1, host_id=("host-a", "host-b"))
     for r in forced:
         assert isinstance(r, ValueError), r
@@ -508,14 +510,12 @@ def test_transport_choice_follows_hosts():
     for w in [post_sum(g, x) for (_, g), x in zip(auto, xs)]:
         w.wait()
     assert all((x == 3).all() for x in xs)
-    before = set(os.listdir("/dev/shm"))
     same = make_pair("same", transport=0, host_id="host-a")
     assert [g.transport for _, g in same] == ["shm", "shm"]
     # The segment is unlinked as soon as both ranks mapped it: nothing to leak.
-    assert not [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("ddpc-same-")]
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("ddpc-same-")]
     for _, g in auto + same:
         g.destroy()
-    assert ddpc.DistributedError
 
 
 @pytest.mark.parametrize("transport", [1, 2])

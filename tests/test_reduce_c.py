@@ -20,7 +20,8 @@ def build(name: str, sources: list) -> str:
     os.makedirs(BIN, exist_ok=True)
     out = os.path.join(BIN, name)
     cmd = [cc, "-std=c11", "-D_GNU_SOURCE", "-O3", "-Wall", "-Wextra",
-           "-I", os.path.join(ROOT, "csrc"), "-pthread", os.path.join(ROOT, "tests", "c", name + ".c")]
+           "-I", os.path.join(ROOT, "csrc"), "-pthread",
+           os.path.join(ROOT, "tests", "c", name + ".c")]
     cmd += [os.path.join(ROOT, "csrc", s) for s in sources] + ["-lm", "-o", out]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, f"compiling {name} failed:\n{' '.join(cmd)}\n{res.stderr}"

@@ -72,7 +72,8 @@ static uint16_t ref_round(long double x, uint16_t maxp, uint16_t inf, uint16_t q
     long double vlo = value((uint16_t)lo);
     if (a == vlo) return (uint16_t)(sign | lo);
     uint32_t up = lo + 1;
-    long double vhi = lo == maxp ? 2.0L * value(maxp) - value((uint16_t)(maxp - 1)) : value((uint16_t)up);
+    long double vhi = lo == maxp ? 2.0L * value(maxp) - value((uint16_t)(maxp - 1))
+                                 : value((uint16_t)up);
     if (lo == maxp) up = inf;
     long double twice = 2.0L * a, mid = vlo + vhi;
     uint32_t r = twice < mid ? lo : twice > mid ? up : ((lo & 1) ? up : lo);
@@ -132,7 +133,8 @@ static size_t float_cases(double (*value)(uint16_t), uint16_t maxp) {
             g_cases[n++] = -c[k];
         }
     }
-    for (uint64_t u = 0; u < (1ull << 32) && n < NCASE_MAX - 8; u += 4099) g_cases[n++] = bits_f32((uint32_t)u);
+    for (uint64_t u = 0; u < (1ull << 32) && n < NCASE_MAX - 8; u += 4099)
+        g_cases[n++] = bits_f32((uint32_t)u);
     g_cases[n++] = INFINITY;
     g_cases[n++] = -INFINITY;
     g_cases[n++] = NAN;
@@ -195,8 +197,10 @@ static void test_double_to_half(void) {
     EXPECT(ddpc_convert_host(h, DDPC_FLOAT16, d, DDPC_FLOAT64, N) == DDPC_OK, "convert");
     EXPECT(ddpc_convert_host(b, DDPC_BFLOAT16, d, DDPC_FLOAT64, N) == DDPC_OK, "convert");
     for (int i = 0; i < N; i++) {
-        EXPECT(h[i] == ref_half(d[i]), "double %a -> half %04x, want %04x", d[i], h[i], ref_half(d[i]));
-        EXPECT(b[i] == ref_bf16(d[i]), "double %a -> bf16 %04x, want %04x", d[i], b[i], ref_bf16(d[i]));
+        EXPECT(h[i] == ref_half(d[i]), "double %a -> half %04x, want %04x", d[i], h[i],
+               ref_half(d[i]));
+        EXPECT(b[i] == ref_bf16(d[i]), "double %a -> bf16 %04x, want %04x", d[i], b[i],
+               ref_bf16(d[i]));
     }
     /* And back up: half -> double is exact. */
     static double back[N];
@@ -414,7 +418,8 @@ static void test_scale(void) {
 static void test_errors(void) {
     float a[2] = {0}, b[2] = {0};
     EXPECT(ddpc_reduce_host(a, b, 2, (ddpc_dtype)99, DDPC_SUM) == DDPC_ERR_INVALID, "bad dtype");
-    EXPECT(strstr(ddpc_last_error(), "99") != NULL, "message names the code: %s", ddpc_last_error());
+    EXPECT(strstr(ddpc_last_error(), "99") != NULL, "message names the code: %s",
+           ddpc_last_error());
     EXPECT(ddpc_reduce_host(a, b, 2, DDPC_FLOAT32, (ddpc_redop)7) == DDPC_ERR_INVALID, "bad op");
     EXPECT(ddpc_reduce_host(NULL, b, 2, DDPC_FLOAT32, DDPC_SUM) == DDPC_ERR_INVALID, "NULL acc");
     EXPECT(ddpc_reduce_host(NULL, NULL, 0, DDPC_FLOAT32, DDPC_SUM) == DDPC_OK, "empty is fine");

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, GPU tests, NCCL collectives and DDP step benchmarks,
+# doctor. Logs and JSON go to $OUT (or ./gpu_out). Each stage has its own time limit and the
+# script goes on after a failing stage, so one run yields every result it can.
+set -u
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1 DDPC_CUDA_ARCHS=${DDPC_CUDA_ARCHS:-90}
+stage() {  # stage NAME SECONDS CMD...
+    local name=$1 secs=$2; shift 2
+    local t0=$(date +%s)
+    timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"
+    tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=index,name,pci.bus_id,memory.used,memory.total --format=csv,noheader
+stage build 240 $PY -m pip install --no-build-isolation --no-deps -e .
+stage gpu_tests 300 $PY -m pytest -m gpu -q -ra tests/test_gpu.py tests/test_gpu_wrap_model.py
+stage collectives 200 $PY benchmarks/collectives.py --backend nccl --nproc 2 --min-bytes 1024 \
+    --max-bytes 1073741824 --json "$OUT/collectives_nccl.json"
+stage ddp_nvlink 240 $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30 \
+    --json "$OUT/ddp_nvlink.json"
+NCCL_P2P_DISABLE=1 stage ddp_nop2p 240 $PY benchmarks/ddp_step.py --device cuda --nproc 2 \
+    --steps 30 --p2p off --json "$OUT/ddp_nop2p.json"
+TAIL=40 stage doctor 120 $PY -m ddpc.doctor
