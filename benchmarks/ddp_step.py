@@ -5,11 +5,18 @@ torch.cuda.max_memory_allocated on cuda, measured while it is built and warmed u
 efficiency (1-process ms / N-process ms at the same per-process batch).
 
     python benchmarks/ddp_step.py --device cpu --nproc 2 --steps 10
-    python benchmarks/ddp_step.py --device cuda --nproc 2 --model gpt2 --p2p on
+    python benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30 --json ddp.json
+    python benchmarks/ddp_step.py --device cuda --nproc 2 --p2p off    # NCCL_P2P_DISABLE=1
+
+On 2 H200s the gpt2 run takes about a minute: start and NCCL setup ~15 s, then 5 variants of
+3 warm-up + 30 timed steps of roughly 50-100 ms each.
 """
 import argparse
 import gc
+import json
 import math
+import queue
+import signal
 import os
 import socket
 import statistics
@@ -97,11 +104,29 @@ def peak_mib(device: torch.device) -> float:
     return _status_mib("VmHWM:")
 
 
+# What the results depend on besides the code, printed with them and written to the JSON.
+ENV_VARS = ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO", "NCCL_IB_DISABLE",
+            "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+
+
+def describe_env(device: torch.device) -> dict:
+    import ddpc
+    env = {k: os.environ.get(k) for k in ENV_VARS}
+    env["torch"] = torch.__version__
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+        v = torch.cuda.nccl.version()  # a tuple in recent torch, an int code in older ones
+        env["torch_nccl"] = ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
+        env["ddpc_nccl"] = ddpc._C.nccl_version()
+    return env
+
+
 class Variant:
     """One way of training the model: its own model and optimizer, stepped on demand."""
 
-    def __init__(self, name: str, make, single: bool = False) -> None:
-        self.name, self.make, self.single = name, make, single
+    def __init__(self, name: str, wrap, single: bool = False) -> None:
+        self.name, self.wrap, self.single = name, wrap, single
         self.times = []
         self.mem = float("nan")
 
@@ -112,7 +137,11 @@ class Variant:
         before = mib_now(device)
         peak_reset(device)
         torch.manual_seed(0)
-        self.model = self.make()
+        # Parameters are created on the device directly: initializing GPT-2 on the host takes
+        # seconds per variant. The wrapper (DDP, ddpc) is applied outside that context.
+        with device:
+            model = GPT(cfg["layers"], cfg["width"], cfg["heads"], cfg["vocab"], cfg["seq"])
+        self.model = self.wrap(model)
         fused = {"fused": True} if device.type == "cuda" else {}
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1, **fused)
         self.gen = torch.Generator().manual_seed(1234 + rank)
@@ -155,6 +184,8 @@ def _worker(rank, args, ports, results):
     os.environ.setdefault("DDPC_TOKEN", "ddp-step-benchmark")
     if args.p2p == "off":
         os.environ["NCCL_P2P_DISABLE"] = "1"
+    elif args.p2p == "on":
+        os.environ.pop("NCCL_P2P_DISABLE", None)
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -177,17 +208,14 @@ def _worker(rank, args, ports, results):
     cfg = MODELS[args.model]
     ids = [rank] if args.device == "cuda" else None
 
-    def base():
-        return GPT(cfg["layers"], cfg["width"], cfg["heads"], cfg["vocab"], cfg["seq"]).to(device)
-
     variants = [
-        Variant("1 process (no DDP)", base, single=True),
-        Variant("torch DDP", lambda: DDP(base(), device_ids=ids, bucket_cap_mb=25)),
-        Variant("torch DDP bucket_view+static", lambda: DDP(
-            base(), device_ids=ids, bucket_cap_mb=25, gradient_as_bucket_view=True,
+        Variant("1 process (no DDP)", lambda m: m, single=True),
+        Variant("torch DDP", lambda m: DDP(m, device_ids=ids, bucket_cap_mb=25)),
+        Variant("torch DDP bucket_view+static", lambda m: DDP(
+            m, device_ids=ids, bucket_cap_mb=25, gradient_as_bucket_view=True,
             static_graph=True)),
-        Variant("ddpc", lambda: ddpc.wrap_model(base())),
-        Variant("ddpc grad_dtype=bf16", lambda: ddpc.wrap_model(base(), grad_dtype=torch.bfloat16)),
+        Variant("ddpc", lambda m: ddpc.wrap_model(m)),
+        Variant("ddpc grad_dtype=bf16", lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16)),
     ]
     # The single-process baseline runs on rank 0 while the others wait at a barrier.
     for v in variants:
@@ -214,7 +242,7 @@ def _worker(rank, args, ports, results):
             rows.append(gathered[0][k])
         else:
             rows.append((v.name, max(g[k][1] for g in gathered), max(g[k][2] for g in gathered)))
-    results.put((rank, "ok", rows))
+    results.put((rank, "ok", (rows, describe_env(device))))
     tdist.destroy_process_group()
     ddpc.destroy_process_group()
 
@@ -233,8 +261,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--model", choices=sorted(MODELS), default=None,
                     help="small (cpu default) or gpt2 (cuda default)")
-    ap.add_argument("--p2p", choices=["on", "off"], default="on",
-                    help="off sets NCCL_P2P_DISABLE=1 (cuda only)")
+    ap.add_argument("--p2p", choices=["on", "off"], default=None,
+                    help="cuda: off sets NCCL_P2P_DISABLE=1, on unsets it (default: inherited)")
+    ap.add_argument("--json", default="", help="also write the results to this file")
+    ap.add_argument("--timeout", type=float, default=200.0,
+                    help="seconds before the workers are stopped (default 200)")
     args = ap.parse_args()
     if args.nproc < 1:
         ap.error(f"--nproc must be >= 1, got {args.nproc}")
@@ -247,42 +278,78 @@ def main() -> int:
                   file=sys.stderr)
             return 2
     import multiprocessing as mp
+    t_start = time.monotonic()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     ports = (free_port(), free_port())
     procs = [ctx.Process(target=worker, args=(r, args, ports, results)) for r in range(args.nproc)]
     for p in procs:
         p.start()
-    rows, failed = None, []
-    for _ in range(args.nproc):
-        rank, status, value = results.get()
+
+    def stop(signum, frame):
+        # Killed from outside (e.g. `timeout`): take the workers along rather than leave them
+        # holding the GPUs.
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    rows, env, failed, reported = None, {}, [], set()
+    deadline = time.monotonic() + args.timeout
+    # A rank that dies without a traceback (a crash, the OOM killer) must not leave this waiting.
+    while len(reported) < args.nproc and not failed:
+        try:
+            rank, status, value = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in reported]
+            if dead or time.monotonic() > deadline:
+                why = (f"exited with code {procs[dead[0]].exitcode} without reporting" if dead
+                       else f"did not finish within --timeout {args.timeout:.0f} s")
+                failed.append((dead[0] if dead else -1, why))
+            continue
+        reported.add(rank)
         if status != "ok":
             failed.append((rank, value))
-            break
-        if rank == 0:
-            rows = value
+        elif rank == 0:
+            rows, env = value
     for p in procs:
         p.join(timeout=30 if failed else None)
         if p.is_alive():
             p.kill()
+            p.join()
     if failed:
         for rank, tb in failed:
-            print(f"rank {rank} failed:\n{tb}", file=sys.stderr)
+            print(f"rank {rank if rank >= 0 else '?'} failed:\n{tb}", file=sys.stderr)
         return 1
     cfg = MODELS[args.model]
     print(f"model {args.model}: {cfg['layers']} layers, width {cfg['width']}, vocab {cfg['vocab']}, "
           f"seq {cfg['seq']}, batch {cfg['batch']} per process; device {args.device}, "
           f"{args.nproc} processes, {args.steps} timed steps after {args.warmup} warm-up"
-          + (f", p2p {args.p2p}" if args.device == "cuda" else "")
           + (", bf16 autocast, fused AdamW" if args.device == "cuda" else ", fp32, AdamW"))
+    print("env: " + ", ".join(f"{k}={'<unset>' if v is None else v}" for k, v in env.items()))
     mem_name = "+max_memory_allocated" if args.device == "cuda" else "+peak RSS"
     ref = next(ms for name, ms, _ in rows if name == "torch DDP")
     single = next((ms for name, ms, _ in rows if name.startswith("1 process")), None)
     print(f"{'variant':32s} {'ms/step':>9s} {'vs torch DDP':>13s} {'scaling eff.':>13s} "
           f"{mem_name + ' MiB':>26s}")
+    out_rows = []
     for name, ms, mem in rows:
-        eff = f"{single / ms:13.2f}" if single and not name.startswith("1 process") else " " * 13
-        print(f"{name:32s} {ms:9.1f} {ms / ref:13.2f} {eff} {mem:26.0f}")
+        is_single = name.startswith("1 process")
+        eff = single / ms if single and not is_single else None
+        print(f"{name:32s} {ms:9.1f} {ms / ref:13.2f} "
+              f"{'' if eff is None else f'{eff:.2f}':>13s} {mem:26.0f}")
+        out_rows.append({"variant": name, "ms_per_step": ms, "vs_torch_ddp": ms / ref,
+                         "scaling_efficiency": eff, "peak_mib_added": mem})
+    wall = time.monotonic() - t_start
+    print(f"({wall:.0f} s in all; ms/step: median over the timed steps, slowest rank; peak MiB: "
+          f"the most memory the variant added while built and warmed up)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "config": cfg, "device": args.device,
+                       "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
+                       "p2p_flag": args.p2p, "env": env, "memory_measure": mem_name,
+                       "wall_s": wall, "rows": out_rows}, f, indent=2)
     return 0
 
 

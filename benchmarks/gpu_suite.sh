@@ -16,12 +16,12 @@ stage() {  # stage NAME SECONDS CMD...
     tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
 nvidia-smi --query-gpu=index,name,pci.bus_id,memory.used,memory.total --format=csv,noheader
-stage build 240 $PY -m pip install --no-build-isolation --no-deps -e .
-stage gpu_tests 300 $PY -m pytest -m gpu -q -ra tests/test_gpu.py tests/test_gpu_wrap_model.py
-stage collectives 200 $PY benchmarks/collectives.py --backend nccl --nproc 2 --min-bytes 1024 \
+stage build 120 $PY -m pip install --no-build-isolation --no-deps -e .
+stage collectives 100 $PY benchmarks/collectives.py --backend nccl --nproc 2 --min-bytes 1024 \
     --max-bytes 1073741824 --json "$OUT/collectives_nccl.json"
-stage ddp_nvlink 240 $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30 \
+stage ddp_nvlink 110 $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30 \
     --json "$OUT/ddp_nvlink.json"
-NCCL_P2P_DISABLE=1 stage ddp_nop2p 240 $PY benchmarks/ddp_step.py --device cuda --nproc 2 \
+NCCL_P2P_DISABLE=1 stage ddp_nop2p 110 $PY benchmarks/ddp_step.py --device cuda --nproc 2 \
     --steps 30 --p2p off --json "$OUT/ddp_nop2p.json"
-TAIL=40 stage doctor 120 $PY -m ddpc.doctor
+stage gpu_tests 180 $PY -m pytest -m gpu -q -ra tests/test_gpu.py tests/test_gpu_wrap_model.py
+TAIL=40 stage doctor 30 $PY -m ddpc.doctor

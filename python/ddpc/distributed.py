@@ -490,23 +490,30 @@ def _dtype_code(name: str, what: str) -> int:
     return code
 
 
+_TORCH_DTYPE_CODES: dict = {}  # torch.dtype -> code, filled on first use (keeps torch optional)
+
+
 def _torch_buffer(t: Any, what: str) -> _Buffer:
+    # This runs on every collective: keep it to attribute reads and dict lookups.
+    dtype = _TORCH_DTYPE_CODES.get(t.dtype)
+    if dtype is None:
+        dtype = _dtype_code(str(t.dtype).replace("torch.", ""), what)
+        _TORCH_DTYPE_CODES[t.dtype] = dtype
     if not t.is_contiguous():
         raise ValueError(f"{what} is not contiguous (shape {tuple(t.shape)}, strides "
                          f"{t.stride()}): pass tensor.contiguous() and copy the result back")
-    if t.is_sparse or t.layout.__repr__() != "torch.strided":
+    if t.is_sparse:
         raise TypeError(f"{what} must be a dense (strided) tensor, got layout {t.layout}")
-    name = str(t.dtype).replace("torch.", "")
-    dtype = _dtype_code(name, what)
-    if t.device.type == "cuda":
+    dev_t = t.device
+    if dev_t.type == "cuda":
         import torch
-        dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        dev = dev_t.index if dev_t.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(dev).cuda_stream
-    elif t.device.type == "cpu":
+    elif dev_t.type == "cpu":
         dev, stream = -1, 0
     else:
-        raise TypeError(f"{what} is on device {t.device}: ddpc works on cpu and cuda tensors")
-    return _Buffer(t.data_ptr(), t.numel(), dtype, dev, stream, t, tuple(t.shape))
+        raise TypeError(f"{what} is on device {dev_t}: ddpc works on cpu and cuda tensors")
+    return _Buffer(t.data_ptr(), t.numel(), dtype, dev, stream, t, ())
 
 
 def _numpy_buffer(a: Any, what: str, writable: bool) -> _Buffer:
@@ -625,10 +632,15 @@ def _run(g: Any, op: int, send: Optional[_Buffer], recv: _Buffer, count: int, re
                          "move it to ddpc.device(), or use backend='cpu'")
     work = g.post(op, send.ptr if send is not None else 0, recv.ptr, count, recv.dtype, redop,
                   root, recv.device, recv.stream, keep)
-    w = Work(work, finish, device_side=recv.device >= 0, stream=recv.stream)
     if async_op:
-        return w
-    w.wait()
+        return Work(work, finish, device_side=recv.device >= 0, stream=recv.stream)
+    # Synchronous: the caller's stream (device) or thread (host) waits right away.
+    if recv.device >= 0:
+        work.wait(recv.stream, True)
+    else:
+        work.wait()
+    if finish is not None:
+        finish()
     return None
 
 

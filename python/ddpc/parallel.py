@@ -22,6 +22,8 @@ from ddpc import distributed as dist
 __all__ = ["DistributedModel", "wrap_model", "unwrap"]
 
 FIRST_BUCKET_BYTES = 1 << 20
+# Parameters and buffers are broadcast in pieces of at most this size (staging memory).
+BROADCAST_CHUNK_BYTES = 16 << 20
 
 _CODE_OF_DTYPE = {getattr(torch, name): code for name, code in dist._DTYPE_CODES.items()}
 _DTYPE_OF_CODE = {code: dtype for dtype, code in _CODE_OF_DTYPE.items()}
@@ -64,9 +66,21 @@ def _first_difference(a: List[Tuple[str, str]], b: List[Tuple[str, str]], ra: in
 
 
 def _comm_device(group: Any) -> torch.device:
-    if group.backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where the group's collectives read and write: the GPU this rank is bound to (nccl), or the
+    host. The binding comes from init_process_group rather than torch's current device, which
+    differs when torch was imported after it or the caller switched devices since."""
+    if group.backend != "nccl":
+        return torch.device("cpu")
+    st = dist._state
+    if st is not None and group is st.group and st.device_index is not None:
+        return torch.device("cuda", st.device_index)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _on(device: torch.device) -> Any:
+    """Makes `device` current for the block when it is a GPU: the collectives' device-side waits,
+    and the kernels the reducer launches, go to the current device's stream."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _all_gather_bytes(data: bytes, group: Any, device: torch.device) -> List[bytes]:
@@ -122,29 +136,56 @@ def _verify_same_model(module: torch.nn.Module, group: Any, device: torch.device
         f"(seen on rank {group.rank})")
 
 
-def _broadcast_flat(tensors: Sequence[torch.Tensor], group: Any) -> None:
-    """Copies rank 0's values into tensors on every rank: one broadcast per device, of all the
-    tensors' bytes packed together."""
-    by_device: Dict[torch.device, List[torch.Tensor]] = {}
+def _broadcast_flat(tensors: Sequence[torch.Tensor], group: Any,
+                    device: torch.device) -> List[Any]:
+    """Copies rank 0's values into `tensors` on every rank, whatever their dtype and device.
+
+    Tensors travel as bytes, packed into chunks of at most BROADCAST_CHUNK_BYTES staged on the
+    group's `device` (so host tensors work with nccl, and no full-size copy of the model is ever
+    made); a tensor alone in its chunk that already lies contiguous on `device` is broadcast in
+    place. The chunks depend on the tensors' sizes only, so every rank posts the same collectives.
+    Returns their Work handles, already waited for: on GPU the current stream waits, the host does
+    not. Dropping a handle whose collective is still running waits on the host, so a caller that
+    must not block keeps them until its next step."""
+    chunks: List[List[torch.Tensor]] = []
+    used = BROADCAST_CHUNK_BYTES
     for t in tensors:
-        if t.numel():
-            by_device.setdefault(t.device, []).append(t)
-    for dev, ts in sorted(by_device.items(), key=lambda kv: str(kv[0])):
-        offsets, total = [], 0
-        for t in ts:
-            offsets.append(total)
-            # 16-byte slots, so each one can be viewed as its tensor's dtype again
-            total += (t.numel() * t.element_size() + 15) // 16 * 16
-        with torch.no_grad():
-            flat = torch.empty(total, dtype=torch.uint8, device=dev)
+        nbytes = t.numel() * t.element_size()
+        if not nbytes:
+            continue
+        # 16-byte slots, so each one can be viewed as its tensor's dtype again
+        slot = (nbytes + 15) // 16 * 16
+        if used + slot > BROADCAST_CHUNK_BYTES:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(t)
+        used += slot
+    works, unpack = [], []
+    with torch.no_grad():
+        for ts in chunks:
+            first = ts[0]
+            if len(ts) == 1 and first.device == device and first.is_contiguous():
+                works.append(dist.broadcast(first.reshape(-1).view(torch.uint8), src=0,
+                                            group=group, async_op=True))
+                continue
+            offsets, total = [], 0
+            for t in ts:
+                offsets.append(total)
+                total += (t.numel() * t.element_size() + 15) // 16 * 16
+            total = offsets[-1] + ts[-1].numel() * ts[-1].element_size()
+            flat = torch.empty(total, dtype=torch.uint8, device=device)
             slots = [flat[o:o + t.numel() * t.element_size()] for o, t in zip(offsets, ts)]
             if group.rank == 0:
                 for s, t in zip(slots, ts):
                     s.copy_(t.detach().reshape(-1).view(torch.uint8))
-            dist.broadcast(flat, src=0, group=group)
+            works.append(dist.broadcast(flat, src=0, group=group, async_op=True))
             if group.rank != 0:
-                for s, t in zip(slots, ts):
-                    t.copy_(s.view(t.dtype).view(t.shape))
+                unpack.extend(zip(slots, ts))
+        for w in works:
+            w.wait()
+        for s, t in unpack:
+            t.copy_(s.view(t.dtype).view(t.shape))
+    return works
 
 
 class _Sink(torch.autograd.Function):
@@ -186,12 +227,16 @@ class DistributedModel(torch.nn.Module):
         self._finalize_queued = False
         self._synced_forward = False   # the last forward with autograd on was outside no_sync
         self._rebuild_pending = True   # the first synced step observes the gradient order
+        self._layout_stale = False     # _order / _late changed since the buckets were built
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        _verify_same_model(module, group, self._device, self._check_params())
-        if self._world > 1:
-            _broadcast_flat([p.data for p in module.parameters()] + list(module.buffers()), group)
+        with _on(self._device):
+            _verify_same_model(module, group, self._device, self._check_params())
+            if self._world > 1:
+                _broadcast_flat([p.data for p in module.parameters()] + list(module.buffers()),
+                                group, self._device)
+        self._buffer_works: List[Any] = []  # the last forward's buffer broadcasts
         n = len(self._params)
         self._order = list(range(n - 1, -1, -1))
         self._late = [1] * n   # nothing launches early until the order is known
@@ -220,10 +265,10 @@ class DistributedModel(torch.nn.Module):
             if p.layout != torch.strided:
                 return TypeError(f"wrap_model: parameter '{name}' has layout {p.layout}; only "
                                  f"dense parameters are supported")
-            if nccl and p.device.type != "cuda":
-                return ValueError(f"wrap_model: parameter '{name}' is on {p.device} but the "
-                                  f"process group uses nccl: move the model to ddpc.device() "
-                                  f"before wrapping it")
+            if nccl and p.device != self._device:
+                return ValueError(f"wrap_model: parameter '{name}' is on {p.device} but this "
+                                  f"rank's process group communicates on {self._device}: move "
+                                  f"the model to ddpc.device() before wrapping it")
             if not nccl and p.device.type != "cpu":
                 return ValueError(f"wrap_model: parameter '{name}' is on {p.device} but the "
                                   f"process group uses the cpu backend: call "
@@ -232,8 +277,14 @@ class DistributedModel(torch.nn.Module):
 
     def _build_buckets(self) -> None:
         """(Re)creates the reducer for self._order / self._late, allocates its buckets, and
-        moves every existing gradient into its new slot."""
+        moves every existing gradient into its new slot. When no parameter holds a gradient (the
+        usual case after zero_grad()), the old buckets go first, so that two sets of gradient
+        buffers never exist at once."""
         params = self._params
+        self._layout_stale = False
+        if self._reducer is not None and all(p.grad is None for p in params):
+            self._reducer.close()
+            self._reducer, self._buckets, self._views = None, [], []
         devices = [p.device.index if p.device.type == "cuda" else -1 for p in params]
         comm = _CODE_OF_DTYPE[self._grad_dtype] if self._grad_dtype is not None else -1
         reducer = _C.Reducer(self._group, [p.numel() for p in params],
@@ -353,6 +404,11 @@ class DistributedModel(torch.nn.Module):
         accumulated one (no_sync), zeroes the others, reduces everything and waits."""
         self._active = False
         self._finalize_queued = False
+        # Autograd may run this on any of its threads, whose current device may differ.
+        with _on(self._device):
+            self._finalize_on_device()
+
+    def _finalize_on_device(self) -> None:
         reducer = self._reducer
         stream = self._stream()
         for i in reducer.unready():
@@ -369,9 +425,9 @@ class DistributedModel(torch.nn.Module):
         reducer.finalize(stream)
         if self._rebuild_pending:
             self._rebuild_pending = False
-            self._rebuild_from_observed_order()
+            self._plan_layout_from_observed_order()
 
-    def _rebuild_from_observed_order(self) -> None:
+    def _plan_layout_from_observed_order(self) -> None:
         """After the first synced step: buckets in rank 0's gradient-ready order; parameters
         whose gradient arrived more than once on any rank go in buckets launched at the end."""
         order, counts = self._reducer.observed_order()
@@ -385,10 +441,11 @@ class DistributedModel(torch.nn.Module):
             counts = every[:, 1].max(dim=0).values.tolist()
         seen = [i for i in order if i >= 0]
         seen_set = set(seen)
-        new_order = seen + [i for i in range(n - 1, -1, -1) if i not in seen_set]
-        self._order = new_order
+        self._order = seen + [i for i in range(n - 1, -1, -1) if i not in seen_set]
         self._late = [1 if c > 1 else 0 for c in counts]
-        self._build_buckets()
+        # Applied by the next forward, like torch DDP: this step's averaged gradients still sit in
+        # the old buckets for optimizer.step(), and after zero_grad() nothing needs carrying over.
+        self._layout_stale = True
 
     def _attach_sink(self, output: Any) -> Any:
         leaves, spec = pytree.tree_flatten(output)
@@ -406,10 +463,15 @@ class DistributedModel(torch.nn.Module):
         arms the reducer so the next backward averages gradients across ranks."""
         grad_on = torch.is_grad_enabled()
         if grad_on:
+            if self._layout_stale:
+                self._build_buckets()
             if self._broadcast_buffers and self._world > 1:
                 buffers = list(self.module.buffers())
                 if buffers:
-                    _broadcast_flat(buffers, self._group)
+                    # The previous step's handles go only now, when their collectives are long
+                    # done: dropping a running one would make the host wait for the GPU.
+                    with _on(self._device):
+                        self._buffer_works = _broadcast_flat(buffers, self._group, self._device)
             self._attach_grads()
             self._synced_forward = self._require_sync
             if self._require_sync:
