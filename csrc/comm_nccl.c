@@ -1,7 +1,8 @@
 /* comm_nccl.c: collectives on device memory through NCCL, which is loaded at run time (dlopen; no
  * nccl.h at build time: the few types and entry points used are declared here). Per group: one
- * nonblocking communicator, one high-priority communication stream, and one watchdog thread that
- * completes works, enforces deadlines and aborts the communicator when a peer fails. */
+ * blocking communicator (created on a helper thread so the caller's wait stays interruptible), one
+ * high-priority communication stream, and one watchdog thread that completes works, enforces
+ * deadlines and aborts the communicator when a peer fails. */
 #include <dlfcn.h>
 #include <limits.h>
 #include <pthread.h>
@@ -56,8 +57,7 @@ typedef struct {
 } NcclConfig;
 #define NCCL_CONFIG_MAGIC 0xcafebeefu
 #define NCCL_CONFIG_UNDEF_INT INT_MIN
-/* 2.14 brought ncclCommInitRankConfig and nonblocking communicators, which every deadline below
- * relies on (a blocking NCCL call cannot be interrupted). */
+/* 2.14 brought ncclCommInitRankConfig, which init uses. */
 #define NCCL_MIN_VERSION 21400
 
 typedef struct NcclApi {
@@ -66,8 +66,6 @@ typedef struct NcclApi {
     ncclResult_t (*CommInitRankConfig)(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank,
                                        NcclConfig *config);
     ncclResult_t (*CommGetAsyncError)(ncclComm_t comm, ncclResult_t *state);
-    ncclResult_t (*CommFinalize)(ncclComm_t comm);
-    ncclResult_t (*CommDestroy)(ncclComm_t comm);
     ncclResult_t (*CommAbort)(ncclComm_t comm);
     /* The last argument of the collectives is a cudaStream_t, an opaque pointer. */
     ncclResult_t (*AllReduce)(const void *send, void *recv, size_t count, ncclDataType_t dt,
@@ -90,8 +88,6 @@ static const struct {
     {"ncclGetUniqueId", offsetof(NcclApi, GetUniqueId)},
     {"ncclCommInitRankConfig", offsetof(NcclApi, CommInitRankConfig)},
     {"ncclCommGetAsyncError", offsetof(NcclApi, CommGetAsyncError)},
-    {"ncclCommFinalize", offsetof(NcclApi, CommFinalize)},
-    {"ncclCommDestroy", offsetof(NcclApi, CommDestroy)},
     {"ncclCommAbort", offsetof(NcclApi, CommAbort)},
     {"ncclAllReduce", offsetof(NcclApi, AllReduce)},
     {"ncclBroadcast", offsetof(NcclApi, Broadcast)},
@@ -342,7 +338,6 @@ static ddpc_status nccl_fail(ncclResult_t r, const char *call, const char *file,
  * each question is a round trip to rank 0, so not on every poll. */
 #define STORE_CHECK_MS 500
 /* A clean shutdown waits this long at most for NCCL to finalize before aborting instead. */
-#define FINALIZE_MAX_MS 10000
 
 typedef struct NcclWorkData {
     cudaEvent_t done;   /* recorded on the communication stream after the collective */
@@ -490,7 +485,12 @@ static void abort_all(NcclImpl *im) {
     ddpc_status st;
     const char *msg;
     settled_abort(im->g, &st, &msg);
-    pthread_mutex_lock(&im->comm_mu);
+    /* A post blocked inside NCCL (a connection to a peer that never comes) holds comm_mu, and
+     * only ncclCommAbort can free it: after a second, abort without the lock. */
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += 1;
+    int locked = pthread_mutex_timedlock(&im->comm_mu, &ts) == 0;
     ncclComm_t comm = im->comm;
     im->comm = NULL;
     if (comm) {
@@ -500,7 +500,7 @@ static void abort_all(NcclImpl *im) {
             DDPC_INFO("NCCL", "ncclCommAbort failed: %s", g_api.GetErrorString(r));
         DDPC_INFO("NCCL", "rank %d aborted its communicator: %s", im->g->rank, msg);
     }
-    pthread_mutex_unlock(&im->comm_mu);
+    if (locked) pthread_mutex_unlock(&im->comm_mu);
     pthread_mutex_lock(&im->mu);
     DdpcWork *list = im->head;
     im->head = im->tail = NULL;
@@ -788,22 +788,6 @@ static ddpc_status exchange_id(DdpcGroup *g, int64_t deadline, ncclUniqueId *id)
     return DDPC_OK;
 }
 
-/* Waits, in slices, for a nonblocking NCCL call to leave ncclInProgress. */
-static ddpc_status init_wait_comm(DdpcGroup *g, ncclComm_t comm, int64_t deadline) {
-    int64_t next_store_check = 0;
-    unsigned us = POLL_MIN_US;
-    for (;;) {
-        ncclResult_t state = ncclInProgress;
-        NCCLCHECK("ncclCommGetAsyncError", g_api.CommGetAsyncError(comm, &state));
-        if (state == ncclSuccess) return DDPC_OK;
-        if (state != ncclInProgress)
-            return nccl_fail(state, "ncclCommInitRankConfig", __FILE__, __LINE__);
-        DDPC_CHECK(init_check(g, deadline, &next_store_check, "creating the NCCL communicator"));
-        sleep_us(us);
-        us = DDPC_MIN(us * 2, POLL_MAX_US);
-    }
-}
-
 static void impl_free(NcclImpl *im) {
     for (int i = 0; i < im->npool; i++) CUDA_LOG(cudaEventDestroy(im->pool[i]));
     free(im->pool);
@@ -814,6 +798,123 @@ static void impl_free(NcclImpl *im) {
     pthread_mutex_destroy(&im->mu);
     pthread_mutex_destroy(&im->comm_mu);
     free(im);
+}
+
+/* A blocking communicator: in nonblocking mode NCCL launches every collective from a thread it
+ * creates per call and the caller must poll until the launch is done, which cost ~200 us per
+ * collective on H200s. Blocking mode launches inline. Its one call that waits for peers,
+ * ncclCommInitRankConfig, runs on this helper thread while the caller waits in slices (deadline,
+ * Ctrl-C, dead peers). Connections are made during init (NCCL_RUNTIME_CONNECT=0 unless the user
+ * set it), so no later collective blocks on a missing peer: its kernel waits on the GPU, where the
+ * watchdog's deadline and ncclCommAbort reach it. */
+typedef struct InitJob {
+    pthread_mutex_t mu;
+    int done, abandoned;
+    ncclResult_t r;
+    cudaError_t cuda;
+    ncclComm_t comm;
+    int nranks, rank, device;
+    ncclUniqueId id;
+} InitJob;
+
+/* Aborts a communicator nobody will use; a failure only gets a log line (it is already lost). */
+static void abort_unused(ncclComm_t comm) {
+    ncclResult_t r = g_api.CommAbort(comm);
+    if (r != ncclSuccess) DDPC_INFO("NCCL", "ncclCommAbort failed: %s", g_api.GetErrorString(r));
+}
+
+static void init_job_free(InitJob *j) {
+    pthread_mutex_destroy(&j->mu);
+    free(j);
+}
+
+static void *init_main(void *arg) {
+    InitJob *j = arg;
+    ncclComm_t comm = NULL;
+    ncclResult_t r = ncclSuccess;
+    cudaError_t ce = cudaSetDevice(j->device);
+    if (ce == cudaSuccess) {
+        NcclConfig config = {
+            .size = sizeof config, .magic = NCCL_CONFIG_MAGIC, .version = NCCL_MIN_VERSION,
+            .blocking = 1, .cgaClusterSize = NCCL_CONFIG_UNDEF_INT,
+        };
+        r = g_api.CommInitRankConfig(&comm, j->nranks, j->id, j->rank, &config);
+    }
+    pthread_mutex_lock(&j->mu);
+    j->r = r;
+    j->cuda = ce;
+    j->comm = comm;
+    j->done = 1;
+    int abandoned = j->abandoned;
+    pthread_mutex_unlock(&j->mu);
+    if (abandoned) {
+        /* The caller gave up (timeout, Ctrl-C, a dead peer) and reported it; nobody else will
+         * use this communicator. */
+        if (comm) abort_unused(comm);
+        init_job_free(j);
+    }
+    return NULL;
+}
+
+static ddpc_status init_comm(DdpcGroup *g, const ncclUniqueId *id, int64_t deadline,
+                             ncclComm_t *out) {
+    *out = NULL;
+    if (setenv("NCCL_RUNTIME_CONNECT", "0", 0) != 0)
+        return ddpc_error(DDPC_ERR_SYSTEM, "setenv(NCCL_RUNTIME_CONNECT) failed: %s",
+                          strerror(errno));
+    InitJob *j = calloc(1, sizeof *j);
+    if (!j) return ddpc_error(DDPC_ERR_NOMEM, "out of host memory creating an NCCL communicator");
+    pthread_mutex_init(&j->mu, NULL);
+    j->nranks = g->world;
+    j->rank = g->rank;
+    j->device = g->cuda_device;
+    memcpy(&j->id, id, sizeof j->id);
+    pthread_t th;
+    pthread_attr_t attr;
+    int rc = pthread_attr_init(&attr);
+    if (rc == 0) rc = pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (rc == 0) rc = pthread_create(&th, &attr, init_main, j);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
+        init_job_free(j);
+        return ddpc_error(DDPC_ERR_SYSTEM, "starting the NCCL init thread failed: %s",
+                          strerror(rc));
+    }
+    int64_t next_store_check = 0;
+    unsigned us = POLL_MIN_US;
+    for (;;) {
+        pthread_mutex_lock(&j->mu);
+        int done = j->done;
+        pthread_mutex_unlock(&j->mu);
+        if (done) break;
+        ddpc_status st = init_check(g, deadline, &next_store_check,
+                                    "creating the NCCL communicator");
+        if (st != DDPC_OK) {
+            pthread_mutex_lock(&j->mu);
+            if (!j->done) {
+                j->abandoned = 1; /* the thread frees the job and aborts what it gets */
+                pthread_mutex_unlock(&j->mu);
+                return st;
+            }
+            pthread_mutex_unlock(&j->mu);
+            if (j->comm) abort_unused(j->comm);
+            init_job_free(j);
+            return st;
+        }
+        sleep_us(us);
+        us = DDPC_MIN(us * 2, POLL_MAX_US);
+    }
+    ncclResult_t r = j->r;
+    cudaError_t ce = j->cuda;
+    *out = j->comm;
+    init_job_free(j);
+    if (ce != cudaSuccess)
+        return ddpc_error(DDPC_ERR_CUDA, "cudaSetDevice(%d) on the NCCL init thread failed: %s",
+                          g->cuda_device, cudaGetErrorString(ce));
+    NCCLCHECK("ncclCommInitRankConfig", r);
+    if (!*out)
+        return ddpc_error(DDPC_ERR_NCCL, "ncclCommInitRankConfig returned no communicator");
+    return DDPC_OK;
 }
 
 static ddpc_status nccl_init(DdpcGroup *g) {
@@ -854,20 +955,7 @@ static ddpc_status nccl_init(DdpcGroup *g) {
 
     ncclUniqueId id;
     DDPC_CHECK_GOTO(exchange_id(g, deadline, &id), st, fail);
-    /* Nonblocking: NCCL returns at once and works in the background, so every wait below runs
-     * in slices that watch the deadline, Ctrl-C and the peers. */
-    NcclConfig config = {
-        .size = sizeof config, .magic = NCCL_CONFIG_MAGIC, .version = NCCL_MIN_VERSION,
-        .blocking = 0, .cgaClusterSize = NCCL_CONFIG_UNDEF_INT,
-    };
-    NCCLCHECK_GOTO("ncclCommInitRankConfig",
-                   g_api.CommInitRankConfig(&im->comm, g->world, id, g->rank, &config), r, st,
-                   fail);
-    if (!im->comm) {
-        st = ddpc_error(DDPC_ERR_NCCL, "ncclCommInitRankConfig returned no communicator");
-        goto fail;
-    }
-    DDPC_CHECK_GOTO(init_wait_comm(g, im->comm, deadline), st, fail);
+    DDPC_CHECK_GOTO(init_comm(g, &id, deadline, &im->comm), st, fail);
 
     int rc = pthread_create(&im->watchdog, NULL, watchdog_main, im);
     if (rc != 0) {
@@ -944,7 +1032,7 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w, const char *what) {
     NcclWorkData *wd = w->backend_data;
     const DdpcCollArgs *a = &w->args;
     ddpc_status st = DDPC_OK;
-    ncclResult_t r = ncclSuccess, state = ncclSuccess;
+    ncclResult_t r = ncclSuccess;
     const char *name = "";
     /* Zero elements: nothing to move, and NCCL may reject the NULL buffers that come with it.
      * Every rank sees the same count, so every rank skips. */
@@ -956,28 +1044,10 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w, const char *what) {
     }
     if (call) r = issue(im, a, &name);
     pthread_mutex_unlock(&im->comm_mu);
-    if (r != ncclSuccess && r != ncclInProgress) {
+    /* The communicator is blocking: the collective is on the stream when the call returns. */
+    if (r != ncclSuccess) {
         st = nccl_fail(r, name, __FILE__, __LINE__);
         goto fail;
-    }
-    /* A nonblocking communicator may still be connecting to peers; the operation reaches the
-     * stream only once its state is ncclSuccess. The watchdog enforces the deadline meanwhile. */
-    for (unsigned us = POLL_MIN_US; r == ncclInProgress; us = DDPC_MIN(us * 2, POLL_MAX_US)) {
-        pthread_mutex_lock(&im->comm_mu);
-        if (!im->comm) {
-            pthread_mutex_unlock(&im->comm_mu);
-            return aborted_error(im, what);
-        }
-        ncclResult_t q = g_api.CommGetAsyncError(im->comm, &state);
-        pthread_mutex_unlock(&im->comm_mu);
-        if (q != ncclSuccess) state = q;
-        if (state == ncclSuccess) break;
-        if (state != ncclInProgress) {
-            st = nccl_fail(state, name, __FILE__, __LINE__);
-            goto fail;
-        }
-        DDPC_CHECK_GOTO(ddpc_check_interrupt(), st, fail);
-        sleep_us(us);
     }
     DDPC_CUDACHECK_GOTO(cudaEventRecord(wd->done, im->stream), st, fail);
     atomic_store(&wd->enqueued, 1);
@@ -1075,28 +1145,14 @@ static void nccl_work_free(DdpcWork *w) {
     w->backend_data = NULL;
 }
 
-/* A clean shutdown: finalize (flushes NCCL's work and meets the local peers), then destroy.
- * Falls back to an abort when that fails or takes too long (a peer that never shuts down). */
+/* Frees the communicator. Every work of ours has finished by now (nccl_destroy waited), so an
+ * abort loses nothing, and unlike ncclCommFinalize on a blocking communicator it never waits for a
+ * peer that is still running or hung. */
 static void close_comm(NcclImpl *im, ncclComm_t comm) {
-    ncclResult_t r = g_api.CommFinalize(comm), state = r;
-    int64_t deadline = ddpc_deadline(DDPC_MIN(im->g->timeout_ms, FINALIZE_MAX_MS));
-    unsigned us = POLL_MIN_US;
-    while (state == ncclInProgress && ddpc_now_ms() < deadline) {
-        sleep_us(us);
-        us = DDPC_MIN(us * 2, POLL_MAX_US);
-        ncclResult_t q = g_api.CommGetAsyncError(comm, &state);
-        if (q != ncclSuccess) state = q;
-    }
-    if (state == ncclSuccess) {
-        r = g_api.CommDestroy(comm);
-        if (r == ncclSuccess || r == ncclInProgress) return;
-    }
-    DDPC_INFO("NCCL", "rank %d: finalizing the communicator %s (%s); aborting it instead",
-              im->g->rank, state == ncclInProgress ? "timed out" : "failed",
-              g_api.GetErrorString(state == ncclInProgress ? state : r));
-    r = g_api.CommAbort(comm);
-    if (r != ncclSuccess && r != ncclInProgress)
-        DDPC_INFO("NCCL", "ncclCommAbort failed: %s", g_api.GetErrorString(r));
+    ncclResult_t r = g_api.CommAbort(comm);
+    if (r != ncclSuccess)
+        DDPC_INFO("NCCL", "rank %d: ncclCommAbort at shutdown failed: %s", im->g->rank,
+                  g_api.GetErrorString(r));
 }
 
 static void nccl_destroy(DdpcGroup *g) {

@@ -370,11 +370,53 @@ static PyType_Spec Store_spec = {
 
 /* ---------------------------------------------------------------- Group / Work */
 
+/* A collective whose Work object was dropped before it finished: the arrays it reads and writes
+ * stay referenced until it does. Waiting in the Work's dealloc instead would make every
+ * synchronous CUDA collective a host sync. */
+typedef struct {
+    DdpcWork *w;
+    PyObject *keep;
+} Parked;
+
 typedef struct {
     PyObject_HEAD
     DdpcGroup *g;
     PyObject *store;   /* keeps the Store alive as long as the group */
+    Parked *parked;
+    Py_ssize_t nparked, cap_parked;
 } GroupObject;
+
+/* Releases parked works that have finished (all of them when `all`: the group is gone, so every
+ * work has been completed by its destroy). */
+static void reap_parked(GroupObject *self, int all) {
+    Py_ssize_t kept = 0;
+    for (Py_ssize_t i = 0; i < self->nparked; i++) {
+        Parked *p = &self->parked[i];
+        if (all || ddpc_work_is_completed(p->w)) {
+            ddpc_work_release(p->w);
+            Py_XDECREF(p->keep);
+        } else {
+            self->parked[kept++] = *p;
+        }
+    }
+    self->nparked = kept;
+}
+
+/* Takes over w and keep; 0 on success, -1 when out of memory (the caller must wait instead). */
+static int park(GroupObject *self, DdpcWork *w, PyObject *keep) {
+    reap_parked(self, 0);
+    if (self->nparked == self->cap_parked) {
+        Py_ssize_t cap = self->cap_parked ? self->cap_parked * 2 : 16;
+        Parked *grown = PyMem_Realloc(self->parked, (size_t)cap * sizeof *grown);
+        if (!grown) return -1;
+        self->parked = grown;
+        self->cap_parked = cap;
+    }
+    self->parked[self->nparked].w = w;
+    self->parked[self->nparked].keep = keep;
+    self->nparked++;
+    return 0;
+}
 
 typedef struct {
     PyObject_HEAD
@@ -428,12 +470,14 @@ static void group_destroy(GroupObject *self) {
         ddpc_group_destroy(g);
         Py_END_ALLOW_THREADS
     }
+    reap_parked(self, 1);
 }
 
 static void Group_dealloc(GroupObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     group_destroy(self);
+    PyMem_Free(self->parked);
     Py_CLEAR(self->store);
     tp->tp_free(self);
     Py_DECREF(tp);
@@ -468,6 +512,7 @@ static PyObject *Group_post(GroupObject *self, PyObject *args) {
         return NULL;
     if (!group_ready(self)) return NULL;
     ModState *s = state_of_type(Py_TYPE(self));
+    if (self->nparked) reap_parked(self, 0);
     DdpcCollArgs a = {
         .op = (ddpc_coll)op, .send = (const void *)(uintptr_t)send,
         .recv = (void *)(uintptr_t)recv, .count = (size_t)count, .dtype = (ddpc_dtype)dtype,
@@ -558,13 +603,19 @@ static void Work_dealloc(WorkObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     if (self->w) {
-        /* Dropping an unfinished collective must not free memory it still writes to. */
-        if (!ddpc_work_is_completed(self->w)) {
+        /* Dropping an unfinished collective must not free memory it still writes to: its arrays
+         * are parked with the group until it finishes (or, failing that, we wait). */
+        GroupObject *go = (GroupObject *)self->group;
+        if (ddpc_work_is_completed(self->w)) {
+            ddpc_work_release(self->w);
+        } else if (go && go->g && park(go, self->w, self->keep) == 0) {
+            self->keep = NULL;
+        } else {
             Py_BEGIN_ALLOW_THREADS
             ddpc_work_wait(self->w);
             Py_END_ALLOW_THREADS
+            ddpc_work_release(self->w);
         }
-        ddpc_work_release(self->w);
     }
     Py_CLEAR(self->keep);
     Py_CLEAR(self->group);

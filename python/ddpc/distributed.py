@@ -20,6 +20,12 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 from ddpc import _C
 
 DEFAULT_TIMEOUT_S = 600.0
+
+# NCCL connects its peers when a communicator is created rather than at each first collective, so
+# a collective never blocks the host on a missing peer (its kernel waits on the GPU instead, where
+# the watchdog's deadline reaches it). NCCL reads this once per process, so set it before any
+# communicator (ddpc's or torch's) exists; an explicit user setting wins.
+os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
 DEFAULT_MASTER_PORT = 29500
 
 # Collective codes, as in csrc/ddpc.h (ddpc_coll).

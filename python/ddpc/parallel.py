@@ -215,6 +215,7 @@ class DistributedModel(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, bucket_cap_bytes: int, broadcast_buffers: bool,
                  grad_dtype: Optional[torch.dtype], group: Any) -> None:
         super().__init__()
+        self._fwd_stream = 0
         self.module = module
         self._group = group
         self._world = group.world_size
@@ -339,8 +340,9 @@ class DistributedModel(torch.nn.Module):
                     # of the outputs' graph is ready; this covers a backward that does not pass
                     # through it (a loss made from something other than the outputs).
                     model._queue_finalize()
-                stream = torch.cuda.current_stream(p.device).cuda_stream if model._is_cuda[i] \
-                    else 0
+                # Backward ops run on their forward ops' stream: the one captured when the
+                # forward armed the reducer (a lookup per parameter costs microseconds each).
+                stream = model._fwd_stream if model._is_cuda[i] else 0
                 try:
                     model._reducer.mark_ready(i, stream)
                 except ValueError as e:
@@ -380,6 +382,7 @@ class DistributedModel(torch.nn.Module):
             self._params[i].grad = self._views[i]
 
     def _arm(self) -> None:
+        self._fwd_stream = self._stream()
         self._reducer.prepare()
         self._active = True
         self._finalize_queued = False
