@@ -1,0 +1,150 @@
+"""Where a DDP step's time goes on the GPU: profiles a few GPT-2 steps of ddpc (and torch DDP for
+comparison) with torch.profiler and splits each step's GPU time into compute kernels, NCCL
+kernels, their overlap, communication left exposed, and idle time.
+
+    python benchmarks/profile_step.py --nproc 2 [--steps 3] [--grad-dtype bf16] [--p2p off]
+
+Rank 0 prints one line per variant (means over the profiled steps, in ms):
+window = first kernel start to last kernel end of the step; compute = union of non-NCCL kernels;
+nccl = union of NCCL kernels; exposed = NCCL time with no compute kernel running; idle = window
+with no kernel at all.
+"""
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ddp_step  # noqa: E402  (same folder: the model and the variants)
+
+
+def union(intervals):
+    """Total length of the union of [start, end) intervals, and the merged list."""
+    merged = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return sum(e - s for s, e in merged), merged
+
+
+def intersect_len(a, b):
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < e:
+            total += e - s
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def analyse(trace_path, steps):
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    marks = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e.get("name") == "ddpc_profile_step")
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    rows = []
+    for k in range(len(marks)):
+        lo = marks[k][0]
+        hi = marks[k + 1][0] if k + 1 < len(marks) else float("inf")
+        ks = [e for e in kernels if lo <= e["ts"] < hi]
+        if not ks:
+            continue
+        nccl = [(e["ts"], e["ts"] + e["dur"]) for e in ks if "nccl" in e["name"].lower()]
+        comp = [(e["ts"], e["ts"] + e["dur"]) for e in ks if "nccl" not in e["name"].lower()]
+        t_n, m_n = union(nccl)
+        t_c, m_c = union(comp)
+        t_all, _ = union(nccl + comp)
+        window = max(e["ts"] + e["dur"] for e in ks) - min(e["ts"] for e in ks)
+        overlap = intersect_len(m_n, m_c)
+        rows.append(dict(window=window, compute=t_c, nccl=t_n, overlap=overlap,
+                         exposed=t_n - overlap, idle=window - t_all))
+    rows = rows[-steps:]
+    return {key: sum(r[key] for r in rows) / len(rows) / 1000.0 for key in rows[0]}
+
+
+def worker(rank, world, port, torch_port, args, out):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      DDPC_TOKEN="profile-step")
+    import ddpc
+    import torch.distributed as dist
+    ddpc.init_process_group(backend="nccl")
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{torch_port}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", rank))
+    device = torch.device("cuda", rank)
+    cfg = ddp_step.MODELS["gpt2"]
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    gd = torch.bfloat16 if args.grad_dtype == "bf16" else None
+    variants = [("torch DDP", lambda m: DDP(m, device_ids=[rank])),
+                ("ddpc", lambda m: ddpc.wrap_model(m, grad_dtype=gd))]
+    results = {}
+    for name, wrap in variants:
+        v = ddp_step.Variant(name, wrap)
+        bargs = argparse.Namespace(warmup=3)
+        v.build(cfg, bargs, device, rank)
+        path = os.path.join(tempfile.gettempdir(), f"prof_{rank}_{name.replace(' ', '_')}.json")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                with torch.profiler.record_function("ddpc_profile_step"):
+                    v.step(timed=True)
+        prof.export_chrome_trace(path)
+        results[name] = dict(analyse(path, args.steps),
+                             step_ms=sum(v.times) / len(v.times))
+        del v
+        torch.cuda.empty_cache()
+    if rank == 0:
+        out.put(results)
+    dist.destroy_process_group()
+    ddpc.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--p2p", choices=["on", "off"], default="on")
+    args = p.parse_args()
+    if args.p2p == "off":
+        os.environ["NCCL_P2P_DISABLE"] = "1"
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    # Every rank must see the same two ports: draw them once.
+    ports = (free_port(), free_port())
+    procs = [ctx.Process(target=worker, args=(r, args.nproc, ports[0], ports[1], args, out))
+             for r in range(args.nproc)]
+    for pr in procs:
+        pr.start()
+    res = out.get(timeout=600)
+    for pr in procs:
+        pr.join(timeout=60)
+    print(f"GPT-2 step on {args.nproc} GPUs, grad dtype {args.grad_dtype}, P2P {args.p2p}; "
+          f"ms per step (means over {args.steps} profiled steps, rank 0)")
+    print(f"{'variant':12} {'step':>7} {'window':>7} {'compute':>8} {'nccl':>7} {'overlap':>8} "
+          f"{'exposed':>8} {'idle':>7}")
+    for name, r in res.items():
+        print(f"{name:12} {r['step_ms']:7.2f} {r['window']:7.2f} {r['compute']:8.2f} "
+              f"{r['nccl']:7.2f} {r['overlap']:8.2f} {r['exposed']:8.2f} {r['idle']:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
