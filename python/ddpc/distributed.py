@@ -159,13 +159,13 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _job_token(addr: str, port: int) -> str:
+def _job_token(addr: str, port: int, world: int) -> str:
     token = os.environ.get("DDPC_TOKEN", "")
     if token:
         return token
     # Started by torchrun/srun without ddpc.launch: no shared secret exists. Derive one from what
     # every rank knows, and say plainly that the store is then protected by its address only.
-    if os.environ.get("DDPC_QUIET_TOKEN_WARNING") != "1":
+    if world > 1 and os.environ.get("DDPC_QUIET_TOKEN_WARNING") != "1":
         warnings.warn("DDPC_TOKEN is not set: the rendezvous store accepts any client that can "
                       "reach it. Start with `python -m ddpc.launch` (which sets a random token) or "
                       "export the same DDPC_TOKEN on every rank.", RuntimeWarning, stacklevel=3)
@@ -321,7 +321,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
                                      "or torchrun, or export MASTER_PORT (a free port on "
                                      "MASTER_ADDR)")
                 port = int(port_env) if port_env else 0
-            token = _job_token(addr, port)
+            token = _job_token(addr, port, w)
             if r == 0:
                 st.server = _C.StoreServer(_server_bind_addr(addr), port, token)
                 port = st.server.port

@@ -1,0 +1,159 @@
+"""init_process_group: every init method and every launcher's environment, with real processes on
+127.0.0.1, plus the bad inputs."""
+import multiprocessing as mp
+import os
+import socket
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+
+import ddpc  # noqa: E402
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+                 "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                 "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK",
+                 "PMI_SIZE", "DDPC_TOKEN")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(env, kwargs, q):
+    """Joins a group, all-reduces its rank + 1, reports what it saw."""
+    for k in LAUNCHER_VARS:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    import numpy as np
+    import ddpc as d
+    try:
+        d.init_process_group(backend="cpu", timeout=30, **kwargs)
+        x = np.array([d.get_rank() + 1.0])
+        d.all_reduce(x)
+        q.put(("ok", d.get_rank(), d.get_world_size(), d.get_local_rank(), float(x[0])))
+        d.destroy_process_group()
+    except BaseException as e:  # reported to the test, which asserts on it
+        q.put(("error", type(e).__name__, str(e)))
+
+
+def run_ranks(envs, kwargs_list=None, timeout=60):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    kwargs_list = kwargs_list or [{}] * len(envs)
+    procs = [ctx.Process(target=_rank_main, args=(env, kw, q)) for env, kw in zip(envs, kwargs_list)]
+    for p in procs:
+        p.start()
+    out = [q.get(timeout=timeout) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    return out
+
+
+def check_ok(results, world):
+    assert all(r[0] == "ok" for r in results), results
+    assert sorted(r[1] for r in results) == list(range(world))
+    for r in results:
+        assert r[2] == world
+        assert r[4] == world * (world + 1) / 2  # sum of rank + 1
+
+
+def test_env_torchrun_variables():
+    port = free_port()
+    envs = [dict(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DDPC_TOKEN="t-env")
+            for r in range(2)]
+    res = run_ranks(envs)
+    check_ok(res, 2)
+    assert sorted(r[3] for r in res) == [0, 1]
+
+
+def test_tcp_init_method_with_explicit_rank():
+    port = free_port()
+    envs = [dict(DDPC_TOKEN="t-tcp")] * 2
+    kws = [dict(init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2) for r in range(2)]
+    check_ok(run_ranks(envs, kws), 2)
+
+
+def test_file_init_method(tmp_path):
+    path = tmp_path / "rdv"
+    envs = [dict(RANK=str(r), WORLD_SIZE="3") for r in range(3)]
+    kws = [dict(init_method=f"file://{path}")] * 3
+    check_ok(run_ranks(envs, kws), 3)
+
+
+def test_slurm_variables():
+    port = free_port()
+    envs = [dict(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DDPC_TOKEN="t-slurm")
+            for r in range(2)]
+    res = run_ranks(envs)
+    check_ok(res, 2)
+    assert sorted(r[3] for r in res) == [0, 1]
+
+
+def test_open_mpi_variables():
+    port = free_port()
+    envs = [dict(OMPI_COMM_WORLD_RANK=str(r), OMPI_COMM_WORLD_SIZE="2",
+                 OMPI_COMM_WORLD_LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), DDPC_TOKEN="t-ompi") for r in range(2)]
+    check_ok(run_ranks(envs), 2)
+
+
+def test_wrong_token_is_refused():
+    port = free_port()
+    envs = [dict(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                 DDPC_TOKEN="right" if r == 0 else "wrong") for r in range(2)]
+    res = run_ranks(envs, timeout=90)
+    errors = [r for r in res if r[0] == "error"]
+    assert any(e[1] == "AuthError" and "DDPC_TOKEN" in e[2] for e in errors), res
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for k in LAUNCHER_VARS:
+        monkeypatch.delenv(k, raising=False)
+    yield
+    ddpc.destroy_process_group()
+
+
+def test_missing_rank_says_how_to_launch(clean_env):
+    with pytest.raises(ValueError, match="ddpc.launch"):
+        ddpc.init_process_group(backend="cpu")
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(backend="mpi"), ValueError, "backend='mpi'"),
+    (dict(backend="cpu", init_method="http://x"), ValueError, "not supported"),
+    (dict(backend="cpu", init_method="tcp://nohostport"), ValueError, "tcp://host:port"),
+    (dict(backend="cpu", timeout=-1), ValueError, "timeout must be positive"),
+    (dict(backend="cpu", timeout="10"), TypeError, "timeout must be"),
+    (dict(backend="cpu", rank=3, world_size=2), ValueError, r"rank must be in \[0, 2\)"),
+    (dict(backend="cpu", bogus=1), TypeError, "bogus"),
+])
+def test_bad_arguments(clean_env, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        ddpc.init_process_group(**kwargs)
+    assert not ddpc.is_initialized()
+
+
+def test_single_process_and_double_init(clean_env):
+    import numpy as np
+    ddpc.init_process_group(backend="cpu", rank=0, world_size=1)
+    assert ddpc.is_initialized() and ddpc.get_world_size() == 1
+    with pytest.raises(RuntimeError, match="already called"):
+        ddpc.init_process_group(backend="cpu", rank=0, world_size=1)
+    x = np.arange(4.0)
+    ddpc.all_reduce(x, op="max")
+    assert x.tolist() == [0.0, 1.0, 2.0, 3.0]
+    ddpc.destroy_process_group()
+    assert not ddpc.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ddpc.all_reduce(x)
