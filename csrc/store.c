@@ -1158,6 +1158,25 @@ static ddpc_status expect_len(DdpcStore *c, const Buf *resp, size_t n, const cha
                                       "%s:%d, expected %zu", op, resp->len, c->host, c->port, n));
 }
 
+/* One round trip of a command: an error status in the reply becomes the matching error (naming
+ * key, which may be NULL). On DDPC_OK resp->p[0] is REPLY_OK or REPLY_NOTFOUND and, when
+ * reply_len is not 0, the reply is exactly reply_len bytes long. */
+static ddpc_status store_call(DdpcStore *c, Buf *req, int64_t wait_ms, const char *key,
+                              size_t reply_len, Buf *resp) {
+    const char *op = cmd_name(req->p[4]);
+    DDPC_CHECK(store_rpc(c, req, wait_ms, resp));
+    DDPC_CHECK(reply_status(c, resp, op, key));
+    return reply_len ? expect_len(c, resp, reply_len, op) : DDPC_OK;
+}
+
+/* Hands the reply buffer over as a value, without its status byte. */
+static void reply_take_value(Buf *resp, void **val, size_t *len) {
+    *len = resp->len - 1;
+    memmove(resp->p, resp->p + 1, *len);
+    *val = resp->p;
+    resp->p = NULL;
+}
+
 static int64_t get_i64le(const uint8_t *p) {
     uint64_t v = 0;
     for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
@@ -1355,9 +1374,7 @@ ddpc_status ddpc_store_set(DdpcStore *c, const char *key, const void *val, size_
     DDPC_CHECK_GOTO(req_begin(&req, CMD_SET), st, out);
     DDPC_CHECK_GOTO(req_done(&req, buf_field(&req, key, strlen(key)) || buf_field(&req, val, len)),
                     st, out);
-    DDPC_CHECK_GOTO(store_rpc(c, &req, 0, &resp), st, out);
-    DDPC_CHECK_GOTO(reply_status(c, &resp, "set", key), st, out);
-    st = expect_len(c, &resp, 1, "set");
+    st = store_call(c, &req, 0, key, 1, &resp);
 out:
     buf_free(&req);
     buf_free(&resp);
@@ -1379,8 +1396,7 @@ ddpc_status ddpc_store_get(DdpcStore *c, const char *key, int64_t timeout_ms, vo
         DDPC_CHECK_GOTO(req_begin(&req, CMD_GET), st, out);
         DDPC_CHECK_GOTO(req_done(&req, buf_u32(&req, (uint32_t)slice) ||
                                            buf_field(&req, key, strlen(key))), st, out);
-        DDPC_CHECK_GOTO(store_rpc(c, &req, slice, &resp), st, out);
-        DDPC_CHECK_GOTO(reply_status(c, &resp, "get", key), st, out);
+        DDPC_CHECK_GOTO(store_call(c, &req, slice, key, 0, &resp), st, out);
         if (resp.p[0] == REPLY_OK) break;
         if (timeout_ms == 0) {
             st = ddpc_error(DDPC_ERR_NOTFOUND, "store get: key '%s' is not in the store", key);
@@ -1396,11 +1412,7 @@ ddpc_status ddpc_store_get(DdpcStore *c, const char *key, int64_t timeout_ms, vo
         }
         DDPC_CHECK_GOTO(ddpc_check_interrupt(), st, out);
     }
-    /* Hand the reply buffer over as the value, without its status byte. */
-    *len = resp.len - 1;
-    memmove(resp.p, resp.p + 1, *len);
-    *val = resp.p;
-    resp.p = NULL;
+    reply_take_value(&resp, val, len);
     st = DDPC_OK;
 out:
     buf_free(&req);
@@ -1416,9 +1428,7 @@ ddpc_status ddpc_store_add(DdpcStore *c, const char *key, int64_t delta, int64_t
     DDPC_CHECK_GOTO(req_begin(&req, CMD_ADD), st, out);
     DDPC_CHECK_GOTO(req_done(&req, buf_i64(&req, delta) || buf_field(&req, key, strlen(key))), st,
                     out);
-    DDPC_CHECK_GOTO(store_rpc(c, &req, 0, &resp), st, out);
-    DDPC_CHECK_GOTO(reply_status(c, &resp, "add", key), st, out);
-    DDPC_CHECK_GOTO(expect_len(c, &resp, 9, "add"), st, out);
+    DDPC_CHECK_GOTO(store_call(c, &req, 0, key, 9, &resp), st, out);
     *out_value = get_i64le(resp.p + 1);
 out:
     buf_free(&req);
@@ -1441,12 +1451,8 @@ ddpc_status ddpc_store_cas(DdpcStore *c, const char *key, const void *expected, 
     DDPC_CHECK_GOTO(req_done(&req, buf_field(&req, key, strlen(key)) ||
                                        buf_field(&req, expected, expected_len) ||
                                        buf_field(&req, desired, desired_len)), st, out);
-    DDPC_CHECK_GOTO(store_rpc(c, &req, 0, &resp), st, out);
-    DDPC_CHECK_GOTO(reply_status(c, &resp, "compare_set", key), st, out);
-    *cur_len = resp.len - 1;
-    memmove(resp.p, resp.p + 1, *cur_len);
-    *cur = resp.p;
-    resp.p = NULL;
+    DDPC_CHECK_GOTO(store_call(c, &req, 0, key, 0, &resp), st, out);
+    reply_take_value(&resp, cur, cur_len);
 out:
     buf_free(&req);
     buf_free(&resp);
@@ -1460,9 +1466,7 @@ ddpc_status ddpc_store_delete(DdpcStore *c, const char *key, int *deleted) {
     ddpc_status st;
     DDPC_CHECK_GOTO(req_begin(&req, CMD_DELETE), st, out);
     DDPC_CHECK_GOTO(req_done(&req, buf_field(&req, key, strlen(key))), st, out);
-    DDPC_CHECK_GOTO(store_rpc(c, &req, 0, &resp), st, out);
-    DDPC_CHECK_GOTO(reply_status(c, &resp, "delete_key", key), st, out);
-    DDPC_CHECK_GOTO(expect_len(c, &resp, 2, "delete_key"), st, out);
+    DDPC_CHECK_GOTO(store_call(c, &req, 0, key, 2, &resp), st, out);
     if (deleted) *deleted = resp.p[1];
 out:
     buf_free(&req);
@@ -1491,9 +1495,7 @@ ddpc_status ddpc_store_check(DdpcStore *c, const char *const *keys, int nkeys, i
     Buf req = {0}, resp = {0};
     ddpc_status st;
     DDPC_CHECK_GOTO(req_keys(&req, CMD_CHECK, keys, nkeys, 0), st, out);
-    DDPC_CHECK_GOTO(store_rpc(c, &req, 0, &resp), st, out);
-    DDPC_CHECK_GOTO(reply_status(c, &resp, "check", NULL), st, out);
-    DDPC_CHECK_GOTO(expect_len(c, &resp, 2, "check"), st, out);
+    DDPC_CHECK_GOTO(store_call(c, &req, 0, NULL, 2, &resp), st, out);
     *present = resp.p[1];
 out:
     buf_free(&req);
@@ -1532,8 +1534,7 @@ ddpc_status ddpc_store_wait(DdpcStore *c, const char *const *keys, int nkeys, in
     for (;;) {
         int64_t slice = ddpc_slice(deadline, DDPC_SLICE_MS);
         DDPC_CHECK_GOTO(req_keys(&req, CMD_WAIT, keys, nkeys, slice), st, out);
-        DDPC_CHECK_GOTO(store_rpc(c, &req, slice, &resp), st, out);
-        DDPC_CHECK_GOTO(reply_status(c, &resp, "wait", NULL), st, out);
+        DDPC_CHECK_GOTO(store_call(c, &req, slice, NULL, 0, &resp), st, out);
         if (resp.p[0] == REPLY_OK) break;
         int64_t now = ddpc_now_ms();
         if (now >= deadline) {
@@ -1553,9 +1554,7 @@ ddpc_status ddpc_store_num_keys(DdpcStore *c, int64_t *out_count) {
     Buf req = {0}, resp = {0};
     ddpc_status st;
     DDPC_CHECK_GOTO(req_begin(&req, CMD_NUM_KEYS), st, out);
-    DDPC_CHECK_GOTO(store_rpc(c, &req, 0, &resp), st, out);
-    DDPC_CHECK_GOTO(reply_status(c, &resp, "num_keys", NULL), st, out);
-    DDPC_CHECK_GOTO(expect_len(c, &resp, 9, "num_keys"), st, out);
+    DDPC_CHECK_GOTO(store_call(c, &req, 0, NULL, 9, &resp), st, out);
     *out_count = get_i64le(resp.p + 1);
 out:
     buf_free(&req);

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from typing import Dict, List
 
 import numpy as np
 import pytest
+
+from _procs import finish_all, start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.abspath(__file__)
@@ -382,22 +383,9 @@ def run_job(scenario: str, world: int, tmp_path, transport: str = "auto",
                 "DDPC_CPU_TRANSPORT": transport, "DDPC_TOKEN": "test-token",
                 "DDPC_QUIET_TOKEN_WARNING": "1", "OMP_NUM_THREADS": "1",
                 "WITH_TORCH": "1" if with_torch else "0"})
-    procs = []
-    for r in range(world):
-        procs.append(subprocess.Popen([sys.executable, HERE, scenario],
-                                      env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    deadline = time.monotonic() + timeout
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outs.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    procs = [start([sys.executable, HERE, scenario], dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+             for r in range(world)]
+    outs = finish_all(procs, timeout)
     results = []
     for r, (rc, out, err) in enumerate(outs):
         if r in expect_dead:

@@ -6,7 +6,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ from typing import Any, Callable, Dict, List, Optional
 import pytest
 
 from ddpc import _C
+
+from _procs import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, "tests", "c", "bin")
@@ -48,12 +49,6 @@ TOKEN = "ddpc-gpu-test-token"
 # ------------------------------------------------------------------------- process harness
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(target: Callable, rank: int, world: int, port: int, timeout: float,
            kwargs: Dict[str, Any], results: Any) -> None:
     """Runs in each spawned rank: joins the group the way a user script does, runs target."""
@@ -80,7 +75,7 @@ def _run_ranks(target: Callable, world: int = 2, timeout: float = 60.0, wait: fl
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(target, r, world, port, timeout, kwargs, results))
              for r in range(world)]
     for p in procs:

@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from _procs import finish_all, start
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYDIR = os.path.join(ROOT, "python")
 
@@ -29,11 +31,11 @@ def launcher_env(**extra):
 
 def launch(args, tmp_path, timeout=40, env=None):
     """Runs the launcher to completion; returns (exit code, stdout, stderr, seconds)."""
-    start = time.monotonic()
+    t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "ddpc.launch"] + args, cwd=tmp_path,
                          env=env or launcher_env(), capture_output=True, text=True,
                          errors="replace", timeout=timeout)
-    return res.returncode, res.stdout, res.stderr, time.monotonic() - start
+    return res.returncode, res.stdout, res.stderr, time.monotonic() - t0
 
 
 def write(tmp_path, name, body):
@@ -299,15 +301,12 @@ def test_ctrl_c_stops_every_worker(tmp_path):
 def test_multi_node_ranks_on_one_host(tmp_path):
     write(tmp_path, "show_env.py", ENV_SCRIPT)
     env = launcher_env(DDPC_TOKEN="0123456789abcdef")
-    procs = [subprocess.Popen([sys.executable, "-m", "ddpc.launch", "--nnodes", "2",
-                               "--node-rank", str(node), "--master-addr", "127.0.0.1",
-                               "--nproc-per-node", "2", "show_env.py"],
-                              cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    procs = [start([sys.executable, "-m", "ddpc.launch", "--nnodes", "2", "--node-rank",
+                    str(node), "--master-addr", "127.0.0.1", "--nproc-per-node", "2",
+                    "show_env.py"], env, cwd=tmp_path) for node in (0, 1)]
     reports = {}
-    for p in procs:
-        out, err = p.communicate(timeout=40)
-        assert p.returncode == 0, err
+    for rc, out, err in finish_all(procs, 40):
+        assert rc == 0, err
         reports.update(env_reports(out))
     assert sorted(reports) == [0, 1, 2, 3]
     for r, info in reports.items():

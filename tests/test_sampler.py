@@ -23,6 +23,8 @@ import ddpc
 from ddpc import _C
 from ddpc.sampler import DistributedSampler
 
+from _procs import finish_all, start
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, "tests", "c", "bin")
 LENGTHS = [0, 1, 2, 3, 7, 10, 11, 100, 101]
@@ -348,20 +350,11 @@ ddpc.destroy_process_group()
 
 def test_defaults_from_process_group(tmp_path):
     path = str(tmp_path / "rendezvous")
-    procs = [subprocess.Popen([sys.executable, "-c", GROUP_SCRIPT, str(r), path], env=ENV,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
+    procs = [start([sys.executable, "-c", GROUP_SCRIPT, str(r), path], ENV) for r in range(2)]
     outs: Dict[int, dict] = {}
-    try:
-        for r, p in enumerate(procs):
-            out, err = p.communicate(timeout=90)
-            assert p.returncode == 0, f"rank {r} failed:\n{err}"
-            outs[r] = json.loads(out.strip().splitlines()[-1])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    for r, (rc, out, err) in enumerate(finish_all(procs, 90)):
+        assert rc == 0, f"rank {r} failed:\n{err}"
+        outs[r] = json.loads(out.strip().splitlines()[-1])
     assert [outs[r]["replicas"] for r in range(2)] == [2, 2]
     assert [outs[r]["rank"] for r in range(2)] == [0, 1]
     full = padded_list([outs[0]["indices"], outs[1]["indices"]])

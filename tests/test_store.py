@@ -20,6 +20,8 @@ import pytest
 import ddpc
 from ddpc import _C
 
+from _procs import free_port
+
 # Client processes import the same ddpc as this test process.
 ENV = {**os.environ, "PYTHONPATH": str(Path(ddpc.__file__).resolve().parents[1])}
 
@@ -67,12 +69,6 @@ def server() -> Iterator[int]:
 
 def client(port: int, token: str = TOKEN, rank: int = -1, timeout: float = 10.0) -> _C.Store:
     return _C.Store("127.0.0.1", port, token, rank, timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- raw protocol helpers

@@ -652,56 +652,27 @@ class Launcher:
 
 # ---------------------------------------------------------------------------- command line
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _checked(convert: Callable[[str], Any], valid: Callable[[Any], bool],
+             expected: str) -> Callable[[str], Any]:
+    """An argparse type: convert(text), accepted when valid(value); otherwise the error says what
+    was expected and what was given."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _nonneg_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a TCP port in 1..65535, got {text!r}")
-    return value
-
-
-def _nproc(text: str) -> int | None:
-    if text == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
-    return value
+_positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+_nonneg_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
+_nonneg_float = _checked(float, lambda v: v >= 0, "a number of seconds >= 0")  # NaN fails too
+_port = _checked(int, lambda v: 1 <= v <= 65535, "a TCP port in 1..65535")
+_nproc = _checked(lambda t: None if t == "auto" else int(t), lambda v: v is None or v >= 1,
+                  "a positive integer or 'auto'")
 
 
 def build_parser() -> argparse.ArgumentParser:

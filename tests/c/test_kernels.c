@@ -7,18 +7,7 @@
 #include <string.h>
 
 #include "common.h"
-
-static int failures;
-
-#define EXPECT(cond, ...)                                   \
-    do {                                                    \
-        if (!(cond)) {                                      \
-            failures++;                                     \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-            fprintf(stderr, __VA_ARGS__);                   \
-            fprintf(stderr, "\n");                          \
-        }                                                   \
-    } while (0)
+#include "check.h"
 
 #define CUDA_OK(call)                                                                  \
     do {                                                                               \
@@ -190,21 +179,14 @@ int main(void) {
     }
     static const size_t sizes[] = {1, 3, 4, 5, 1000, 4099, 1u << 20, (1u << 20) + 3};
     static const float scales[] = {1.0f, 0.5f, 1.0f / 3.0f};
-    int cases = 0;
     for (size_t a = 0; a < 4; a++)
         for (size_t b = 0; b < 4; b++)
             for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++)
                 for (size_t k = 0; k < sizeof scales / sizeof *scales; k++) {
                     check_cast(k_float_types[a], k_float_types[b], sizes[s], 0, scales[k]);
                     check_cast(k_float_types[a], k_float_types[b], sizes[s], 1, scales[k]);
-                    cases += 2;
                 }
     check_in_place();
     check_zero_and_args();
-    if (failures) {
-        fprintf(stderr, "%d failure(s)\n", failures);
-        return 1;
-    }
-    printf("ok: %d cast cases, in-place, zero and argument checks\n", cases);
-    return 0;
+    return check_summary("test_kernels");
 }

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "ddpc.h"
+#include "check.h"
 
 /* ---------------------------------------------------------------- fake group */
 
@@ -79,22 +80,6 @@ static void clear_log(void) {
     for (int i = 0; i < g_nlog; i++) ddpc_work_release(g_log[i]);
     g_nlog = 0;
 }
-
-/* ---------------------------------------------------------------- checks */
-
-static int g_failures;
-
-#define EXPECT(cond, ...)                                                  \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fprintf(stderr, "\n");                                         \
-            g_failures++;                                                  \
-        }                                                                  \
-    } while (0)
-
-#define OK(call) EXPECT((call) == DDPC_OK, "%s", ddpc_last_error())
 
 static DdpcGroup g_group = {0};
 
@@ -263,10 +248,5 @@ int main(void) {
     test_order_late_dtypes();
     test_bad_arguments();
     clear_log();
-    if (g_failures) {
-        fprintf(stderr, "%d check(s) failed\n", g_failures);
-        return 1;
-    }
-    printf("test_reducer: all checks passed\n");
-    return 0;
+    return check_summary("test_reducer");
 }

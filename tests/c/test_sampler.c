@@ -10,20 +10,7 @@
 #include <string.h>
 
 #include "ddpc.h"
-
-static long g_checks, g_failures;
-
-#define EXPECT(cond, ...)                                                   \
-    do {                                                                    \
-        g_checks++;                                                         \
-        if (!(cond)) {                                                      \
-            if (g_failures++ < 20) {                                        \
-                fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);        \
-                fprintf(stderr, __VA_ARGS__);                               \
-                fprintf(stderr, "\n");                                      \
-            }                                                               \
-        }                                                                   \
-    } while (0)
+#include "check.h"
 
 static void *xmalloc(size_t n) {
     void *p = malloc(n ? n : 1);
@@ -363,10 +350,5 @@ int main(void) {
     test_uniform_small();
     test_uniform_bucketed();
     test_errors();
-    if (g_failures) {
-        fprintf(stderr, "%ld of %ld checks failed\n", g_failures, g_checks);
-        return 1;
-    }
-    printf("ok: %ld checks\n", g_checks);
-    return 0;
+    return check_summary("test_sampler");
 }

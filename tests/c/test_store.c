@@ -12,22 +12,7 @@
 #include <unistd.h>
 
 #include "common.h"
-
-static int g_checks, g_failures;
-
-#define EXPECT(cond, ...)                                                       \
-    do {                                                                        \
-        g_checks++;                                                             \
-        if (!(cond)) {                                                          \
-            g_failures++;                                                       \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);     \
-            fprintf(stderr, __VA_ARGS__);                                       \
-            fprintf(stderr, "\n");                                              \
-        }                                                                       \
-    } while (0)
-
-/* A call that must succeed; on failure the core's message is printed. */
-#define OK(call) EXPECT((call) == DDPC_OK, "%s", ddpc_last_error())
+#include "check.h"
 
 static const char *TOKEN = "job-secret-123";
 
@@ -402,10 +387,5 @@ int main(void) {
            ddpc_last_error());
     ddpc_store_close(c);
 
-    if (g_failures) {
-        fprintf(stderr, "test_store: %d of %d checks failed\n", g_failures, g_checks);
-        return 1;
-    }
-    printf("test_store: all %d checks passed\n", g_checks);
-    return 0;
+    return check_summary("test_store");
 }
