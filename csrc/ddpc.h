@@ -259,8 +259,13 @@ int ddpc_reducer_bucket_comm_dtype(const DdpcReducer *r, int b);
 /* Where parameter i's gradient lives: bucket and element offset. */
 ddpc_status ddpc_reducer_param_slot(const DdpcReducer *r, int i, int *bucket, size_t *offset);
 /* Gives bucket b its flat buffer (count elements; owned by the caller). comm_buf: a second buffer
- * of count elements in ddpc_reducer_bucket_comm_dtype(r, b) when that is >= 0, else NULL. */
+ * of count elements in ddpc_reducer_bucket_comm_dtype(r, b) when that is >= 0, else NULL. Allowed
+ * between steps, and within one while none of b's gradients was marked ready yet. */
 ddpc_status ddpc_reducer_set_bucket_memory(DdpcReducer *r, int b, void *buf, void *comm_buf);
+/* The caller takes bucket b's memory back (same rules as set_bucket_memory), e.g. while its
+ * gradients are set to None; it must give memory again before they are marked ready or the step
+ * is finalized. */
+ddpc_status ddpc_reducer_release_bucket(DdpcReducer *r, int b);
 /* Starts a step: every parameter not ready, no bucket launched. Calling it again before any
  * parameter became ready is harmless. When the previous step was left unfinished (parameters were
  * marked ready but finalize never ran), waits for its collectives, resets, and fails once with a

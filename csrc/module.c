@@ -105,13 +105,19 @@ static PyObject *StoreServer_new(PyTypeObject *tp, PyObject *args, PyObject *kw)
     return (PyObject *)self;
 }
 
-static void StoreServer_dealloc(StoreServerObject *self) {
-    PyTypeObject *tp = Py_TYPE(self);
+static void store_server_stop(StoreServerObject *self) {
     if (self->srv) {
+        DdpcStoreServer *srv = self->srv;
+        self->srv = NULL;
         Py_BEGIN_ALLOW_THREADS
-        ddpc_store_server_stop(self->srv);
+        ddpc_store_server_stop(srv);
         Py_END_ALLOW_THREADS
     }
+}
+
+static void StoreServer_dealloc(StoreServerObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    store_server_stop(self);
     tp->tp_free(self);
     Py_DECREF(tp);
 }
@@ -124,13 +130,7 @@ static PyObject *StoreServer_port(StoreServerObject *self, void *closure) {
 
 static PyObject *StoreServer_stop(StoreServerObject *self, PyObject *unused) {
     (void)unused;
-    if (self->srv) {
-        DdpcStoreServer *srv = self->srv;
-        self->srv = NULL;
-        Py_BEGIN_ALLOW_THREADS
-        ddpc_store_server_stop(srv);
-        Py_END_ALLOW_THREADS
-    }
+    store_server_stop(self);
     Py_RETURN_NONE;
 }
 
@@ -686,7 +686,8 @@ typedef struct {
     PyObject_HEAD
     DdpcReducer *r;
     PyObject *group;   /* the GroupObject whose DdpcGroup the reducer posts to */
-    PyObject *keep;    /* list: owners of bucket memory, alive as long as the reducer */
+    PyObject *keep;    /* list, one slot per bucket: the owner of its memory while the reducer
+                        * points to it */
     int *scratch;      /* nparams ints for unready() */
     int nparams;
 } ReducerObject;
@@ -769,8 +770,6 @@ static PyObject *Reducer_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
     }
     self = (ReducerObject *)tp->tp_alloc(tp, 0);
     if (!self) goto fail;
-    self->keep = PyList_New(0);
-    if (!self->keep) goto fail;
     Py_INCREF(group);
     self->group = group;
     self->nparams = (int)n;
@@ -781,6 +780,13 @@ static PyObject *Reducer_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
     if (st != DDPC_OK) {
         raise_status(s, st);
         goto fail;
+    }
+    Py_ssize_t nb = ddpc_reducer_num_buckets(self->r);
+    self->keep = PyList_New(nb);
+    if (!self->keep) goto fail;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(self->keep, b, Py_None);
     }
     self->scratch = scratch;
     scratch = NULL;
@@ -882,7 +888,20 @@ static PyObject *Reducer_set_bucket_memory(ReducerObject *self, PyObject *args) 
     ddpc_status st = ddpc_reducer_set_bucket_memory(self->r, b, (void *)(uintptr_t)ptr,
                                                     (void *)(uintptr_t)comm_ptr);
     if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
-    if (keep != Py_None && PyList_Append(self->keep, keep) < 0) return NULL;
+    /* b is valid now; the bucket's previous owner may go (the reducer no longer points to it) */
+    Py_INCREF(keep);
+    if (PyList_SetItem(self->keep, b, keep) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Reducer_release_bucket(ReducerObject *self, PyObject *args) {
+    int b;
+    if (!PyArg_ParseTuple(args, "i", &b)) return NULL;
+    if (!reducer_ready(self)) return NULL;
+    ddpc_status st = ddpc_reducer_release_bucket(self->r, b);
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    Py_INCREF(Py_None);
+    if (PyList_SetItem(self->keep, b, Py_None) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -1012,8 +1031,13 @@ static PyMethodDef Reducer_methods[] = {
     {"param_slot", (PyCFunction)Reducer_param_slot, METH_VARARGS,
      "param_slot(i) -> (bucket, element offset)"},
     {"set_bucket_memory", (PyCFunction)Reducer_set_bucket_memory, METH_VARARGS,
-     "set_bucket_memory(b, ptr, comm_ptr=0, keep=None): keep owns the memory and is held by the "
-     "reducer"},
+     "set_bucket_memory(b, ptr, comm_ptr=0, keep=None): keep owns the memory; the reducer holds "
+     "it until bucket b's memory changes or the reducer goes. Allowed between steps, and in a "
+     "step before any of b's gradients is marked ready"},
+    {"release_bucket", (PyCFunction)Reducer_release_bucket, METH_VARARGS,
+     "release_bucket(b): the reducer forgets bucket b's memory (and its keep) until the next "
+     "set_bucket_memory(b, ...), which must come before b's gradients are marked ready or the "
+     "step is finalized"},
     {"prepare", (PyCFunction)Reducer_prepare, METH_NOARGS, "start a step"},
     {"mark_ready", (PyCFunction)(void (*)(void))Reducer_mark_ready, METH_FASTCALL,
      "mark_ready(i, stream=0): parameter i's gradient is in its slot"},

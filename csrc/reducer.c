@@ -18,8 +18,9 @@ typedef struct Bucket {
     size_t count;       /* elements, padding included */
     int first;          /* its parameters are r->bucket_params[first .. first + nparams) */
     int nparams;
-    void *buf;          /* caller's memory */
+    void *buf;          /* caller's memory; NULL until given, and while released */
     void *comm_buf;
+    int released;       /* the caller took its memory back until the bucket's gradients arrive */
     int pending;        /* parameters not yet ready this step */
     int launched;
     DdpcWork *work;     /* in flight between launch and the end of finalize */
@@ -330,15 +331,24 @@ ddpc_status ddpc_reducer_param_slot(const DdpcReducer *r, int i, int *bucket, si
     return DDPC_OK;
 }
 
+/* The memory of a bucket may change while no collective reads it and, in the step in progress,
+ * none of its gradients has been marked ready yet (they were written to the old memory). Called
+ * with r->mu held. */
+static ddpc_status check_bucket_idle(const DdpcReducer *r, int b) {
+    const Bucket *bk = &r->buckets[b];
+    if (bk->work || (r->step_active && bk->launched))
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d's memory cannot change while it "
+                          "is being reduced", b);
+    if (r->step_active && bk->pending < bk->nparams)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d's memory cannot change after %d "
+                          "of its %d gradients were marked ready in this backward pass", b,
+                          bk->nparams - bk->pending, bk->nparams);
+    return DDPC_OK;
+}
+
 ddpc_status ddpc_reducer_set_bucket_memory(DdpcReducer *r, int b, void *buf, void *comm_buf) {
     DDPC_CHECK(check_bucket(r, b));
     Bucket *bk = &r->buckets[b];
-    pthread_mutex_lock(&r->mu);
-    int busy = r->step_active && r->nseen > 0;
-    pthread_mutex_unlock(&r->mu);
-    if (busy)
-        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d's memory cannot change during a "
-                          "backward pass", b);
     if (bk->count && !buf)
         return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d holds %zu elements but its buffer "
                           "is NULL", b, bk->count);
@@ -346,8 +356,38 @@ ddpc_status ddpc_reducer_set_bucket_memory(DdpcReducer *r, int b, void *buf, voi
         return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d is reduced in %s and needs a "
                           "second buffer of %zu elements of that dtype, got NULL", b,
                           ddpc_dtype_name((ddpc_dtype)bk->comm_dtype), bk->count);
-    bk->buf = buf;
-    bk->comm_buf = bk->comm_dtype >= 0 ? comm_buf : NULL;
+    pthread_mutex_lock(&r->mu);
+    ddpc_status st = check_bucket_idle(r, b);
+    if (st == DDPC_OK) {
+        bk->buf = buf;
+        bk->comm_buf = bk->comm_dtype >= 0 ? comm_buf : NULL;
+        bk->released = 0;
+    }
+    pthread_mutex_unlock(&r->mu);
+    return st;
+}
+
+ddpc_status ddpc_reducer_release_bucket(DdpcReducer *r, int b) {
+    DDPC_CHECK(check_bucket(r, b));
+    Bucket *bk = &r->buckets[b];
+    pthread_mutex_lock(&r->mu);
+    ddpc_status st = check_bucket_idle(r, b);
+    if (st == DDPC_OK) {
+        bk->buf = NULL;
+        bk->comm_buf = NULL;
+        bk->released = 1;
+    }
+    pthread_mutex_unlock(&r->mu);
+    return st;
+}
+
+/* A bucket that the caller released and has not given memory again. Called with r->mu held. */
+static ddpc_status check_has_memory(const DdpcReducer *r, int b) {
+    const Bucket *bk = &r->buckets[b];
+    if (bk->count && !bk->buf)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d has no memory (it was released): "
+                          "call set_bucket_memory before its gradients are marked ready or the "
+                          "step is finalized", b);
     return DDPC_OK;
 }
 
@@ -364,7 +404,7 @@ static void reset_step(DdpcReducer *r) {
 
 ddpc_status ddpc_reducer_prepare(DdpcReducer *r) {
     for (int b = 0; b < r->nbuckets; b++)
-        if (r->buckets[b].count && !r->buckets[b].buf)
+        if (r->buckets[b].count && !r->buckets[b].buf && !r->buckets[b].released)
             return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d has no memory yet: call "
                               "set_bucket_memory for every bucket before the first step", b);
     pthread_mutex_lock(&r->mu);
@@ -438,6 +478,8 @@ ddpc_status ddpc_reducer_mark_ready(DdpcReducer *r, int i, uintptr_t stream) {
     if (!r->step_active) {
         st = ddpc_error(DDPC_ERR_INVALID, "reducer: parameter %d was marked ready outside a step "
                         "(prepare was not called, or finalize already ran)", i);
+    } else if (bk->count && !bk->buf) {
+        st = check_has_memory(r, r->param_bucket[i]);
     } else if (r->ready[i]) {
         r->ready_count[i]++;
         if (bk->launched)
@@ -521,6 +563,10 @@ ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused)
                         "was not called, or finalize already ran)");
         goto out;
     }
+    /* Every bucket still to launch must have memory before any is zeroed or launched, so that a
+     * failure leaves no rank with a partial set of collectives posted by this call. */
+    for (int b = r->next_launch; b < r->nbuckets; b++)
+        DDPC_CHECK_GOTO(check_has_memory(r, b), st, out);
     for (int b = r->next_launch; b < r->nbuckets; b++)
         if (r->buckets[b].pending > 0)
             DDPC_CHECK_GOTO(zero_unready(r, &r->buckets[b], stream, &nunused), st, out);

@@ -235,8 +235,11 @@ def sc_no_sync(rank):
         opt.zero_grad()
         with wrapped.no_sync():
             loss_of(wrapped, rank, 0).backward()
-            out["local_errs"].append(max((p.grad - e).abs().max().item()
-                                         for p, e in zip(model.parameters(), mine0)))
+            # No end-of-backward pass inside no_sync: as in single-process training, a gradient
+            # that never arrived may still be None (when its whole bucket stayed released).
+            out["local_errs"].append(max(
+                ((p.grad if p.grad is not None else torch.zeros_like(p)) - e).abs().max().item()
+                for p, e in zip(model.parameters(), mine0)))
             loss_of(wrapped, rank, 1).backward()
         loss_of(wrapped, rank, 2).backward()
         out["errs"].append(max((p.grad - e).abs().max().item()

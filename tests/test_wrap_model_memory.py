@@ -1,7 +1,10 @@
 """wrap_model's memory habits, on 2 real processes (cpu backend): parameters and buffers are
 broadcast in bounded chunks (never a full-size copy of the model; any dtype, layout and shape),
-and the bucket layout learnt in the first step replaces the old buckets without keeping both.
+the bucket layout learnt in the first step replaces the old buckets without keeping both, and
+buckets whose gradients were set to None are freed at the forward and come back one by one as
+backward produces gradients (adopting a lone parameter's gradient without a copy).
 """
+import copy
 import gc
 import multiprocessing as mp
 import os
@@ -70,8 +73,10 @@ def sc_rebuild(rank):
     for step in range(3):
         g = torch.Generator().manual_seed(step)
         x = torch.randn(4, 6, generator=g)
-        opt.zero_grad(set_to_none=True)
-        before = [weakref.ref(b) for b in wrapped._buckets]
+        # Gradients zeroed in place keep their buckets, so only the rebuild replaces them.
+        opt.zero_grad(set_to_none=False)
+        before = [weakref.ref(b) for b in wrapped._buckets if b is not None]
+        out[f"had_{step}"] = len(before)
         wrapped(x).square().mean().backward()
         gc.collect()
         out[f"released_{step}"] = all(r() is None for r in before)
@@ -82,7 +87,106 @@ def sc_rebuild(rank):
     return out
 
 
-SCENARIOS = [("broadcast", sc_broadcast), ("rebuild", sc_rebuild)]
+SMALL = 500 / 2 ** 20  # bucket_cap_mb of about 500 bytes: several buckets
+
+
+class Lazy(torch.nn.Module):
+    """Weights of 768 and 2048 bytes (float64) get a bucket each; each head's bias and weight
+    share one. Rank r uses head r only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 16)
+        self.mix = torch.nn.Parameter(torch.randn(16, 16) * 0.1)
+        self.head_a = torch.nn.Linear(16, 3)
+        self.head_b = torch.nn.Linear(16, 3)
+
+    def forward(self, x, branch):
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(h @ self.mix) + h
+        return self.head_a(h) if branch == 0 else self.head_b(h)
+
+
+def _averaged_grads(model, x, y):
+    """What every rank must hold: the mean over ranks r of the gradient of rank r's loss (rank r
+    takes rows r*4..r*4+3 through head r), zeros for parameters no rank used."""
+    total = None
+    for r in range(WORLD):
+        c = copy.deepcopy(model)
+        for p in c.parameters():
+            p.grad = None
+        (c(x[4 * r:4 * r + 4], r) - y[4 * r:4 * r + 4]).square().mean().backward()
+        g = [p.grad if p.grad is not None else torch.zeros_like(p) for p in c.parameters()]
+        total = g if total is None else [a + b for a, b in zip(total, g)]
+    return [t / WORLD for t in total]
+
+
+def sc_lazy(rank):
+    import ddpc
+    torch.manual_seed(0)
+    model = Lazy().double()
+    arrived = {}  # id(param) -> data_ptr of its gradient as autograd made it (before ddpc's hook)
+    allocated_at_arrival = []  # buckets holding memory as each gradient is placed (after ddpc)
+
+    def before_ddpc(p):
+        arrived.setdefault(id(p), p.grad.data_ptr())
+
+    def after_ddpc(p):
+        allocated_at_arrival.append(sum(b is not None for b in wrapped._buckets))
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(before_ddpc)
+    wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(after_ddpc)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    names = [n for n, _ in model.named_parameters()]
+    out = {"names": names, "steps": []}
+    for step in range(3):  # the first step observes the order, the second runs the new layout
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(WORLD * 4, 6, generator=g, dtype=torch.float64)
+        y = torch.randn(WORLD * 4, 3, generator=g, dtype=torch.float64)
+        expected = _averaged_grads(model, x, y)
+        gone = [weakref.ref(t) for t in wrapped._buckets + [p.grad for p in model.parameters()]
+                if t is not None]
+        opt.zero_grad(set_to_none=True)
+        loss = (wrapped(x[4 * rank:4 * rank + 4], rank) - y[4 * rank:4 * rank + 4]).square().mean()
+        gc.collect()
+        rec = {"nbuckets": len(wrapped._buckets), "had": len(gone),
+               "freed": all(r() is None for r in gone),
+               "released": all(b is None for b in wrapped._buckets),
+               "grads_none": all(p.grad is None for p in model.parameters())}
+        arrived.clear()
+        allocated_at_arrival.clear()
+        loss.backward()
+        rec["allocated_at_arrival"] = list(allocated_at_arrival)
+        ranges = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size())
+                  for b in wrapped._buckets]
+        rec["views"] = [any(lo <= p.grad.data_ptr() and
+                            p.grad.data_ptr() + p.grad.numel() * 8 <= hi for lo, hi in ranges)
+                        for p in model.parameters()]
+        rec["errs"] = [(p.grad - e).abs().max().item()
+                       for p, e in zip(model.parameters(), expected)]
+        rec["nonzero"] = [bool(e.abs().max() > 0) for e in expected]
+        b_mix = wrapped._bucket_of[names.index("mix")]
+        rec["mix_alone"] = len(wrapped._members[b_mix]) == 1
+        # adopted: the bucket is the very memory autograd computed the gradient into
+        rec["mix_adopted"] = (model.mix.grad.data_ptr() == arrived.get(id(model.mix)) ==
+                              wrapped._buckets[b_mix].data_ptr())
+        out["steps"].append(rec)
+        opt.step()
+    # An old gradient still held by the caller keeps its memory and values after the forward
+    # that releases its bucket (unlike a bucket resized to nothing under it).
+    held = model.fc1.weight.grad
+    values = held.clone()
+    opt.zero_grad(set_to_none=True)
+    wrapped(x[4 * rank:4 * rank + 4], rank).sum().backward()
+    out["held_intact"] = torch.equal(held, values) and held.data_ptr() != \
+        model.fc1.weight.grad.data_ptr()
+    return out
+
+
+SCENARIOS = [("broadcast", sc_broadcast), ("rebuild", sc_rebuild), ("lazy", sc_lazy)]
 
 
 def _worker(rank, port, results):
@@ -155,5 +259,30 @@ def test_parameters_and_buffers_arrive_in_bounded_chunks(runs):
 def test_first_step_rebuild_releases_the_old_buckets(runs):
     for r in result(runs, "rebuild"):
         assert all(r[f"views_{s}"] for s in range(3)), r
+        assert r["had_1"] > 0 and r["had_2"] > 0, r
         assert r["released_1"], r  # the layout of step 0 was replaced and freed at step 1
         assert not r["released_2"], r  # and after that the buckets stay
+
+
+def test_buckets_of_none_gradients_are_freed_until_backward_needs_them(runs):
+    for rank, r in enumerate(result(runs, "lazy")):
+        names = r["names"]
+        for step, rec in enumerate(r["steps"]):
+            where = (rank, step, rec)
+            assert rec["nbuckets"] >= 4, where
+            # the forward after zero_grad(set_to_none=True) let go of every bucket
+            assert rec["released"] and rec["grads_none"], where
+            if step > 0:
+                assert rec["had"] > 0 and rec["freed"], where
+            # the first gradient found only its own bucket allocated, later ones more
+            arrivals = rec["allocated_at_arrival"]
+            assert arrivals[0] == 1 and max(arrivals) > 1, where
+            # after backward: views into the (new) buckets holding the averaged gradients
+            assert all(rec["views"]), where
+            assert max(rec["errs"]) < 1e-12, where
+            assert rec["mix_alone"] and rec["mix_adopted"], where
+        # rank 0 never used head_b (nor rank 1 head_a): its bucket was allocated and zeroed at
+        # the end of backward and reduced with the other rank's gradient
+        for name in ("head_a.weight", "head_b.weight", "head_a.bias", "head_b.bias"):
+            assert r["steps"][-1]["nonzero"][names.index(name)], name
+        assert r["held_intact"]

@@ -4,7 +4,9 @@ Gradients live in flat buckets (each ``param.grad`` is a view into one); a hook 
 the reducer (csrc/reducer.c) when its gradient is complete, and the reducer all-reduces each full
 bucket while backward continues. The end of backward zeroes what never arrived (unused
 parameters), reduces the rest and waits, so every rank's optimizer sees the same averaged
-gradients. See DESIGN.md, "One step of DDP".
+gradients. A bucket whose gradients were all set to None (zero_grad(set_to_none=True)) is freed
+at the next forward and allocated again when its first gradient arrives, so, as in single-process
+training, gradient memory does not sit beside the activations. See DESIGN.md, "One step of DDP".
 """
 from __future__ import annotations
 
@@ -242,9 +244,10 @@ class DistributedModel(torch.nn.Module):
         self._order = list(range(n - 1, -1, -1))
         self._late = [1] * n   # nothing launches early until the order is known
         self._reducer: Any = None
-        self._buckets: List[torch.Tensor] = []
-        self._views: List[torch.Tensor] = []
-        self._bucket_of: List[int] = []
+        # Per bucket: its flat tensor, or None while released (all its gradients were None).
+        self._buckets: List[Optional[torch.Tensor]] = []
+        # Per parameter: its slot in its bucket, None while the bucket is released.
+        self._views: List[Optional[torch.Tensor]] = []
         self._build_buckets()
         self._is_cuda = [p.device.type == "cuda" for p in self._params]
         ref = weakref.ref(self)
@@ -277,10 +280,10 @@ class DistributedModel(torch.nn.Module):
         return None
 
     def _build_buckets(self) -> None:
-        """(Re)creates the reducer for self._order / self._late, allocates its buckets, and
-        moves every existing gradient into its new slot. When no parameter holds a gradient (the
-        usual case after zero_grad()), the old buckets go first, so that two sets of gradient
-        buffers never exist at once."""
+        """(Re)creates the reducer for self._order / self._late and moves every existing gradient
+        into its new slot. Buckets none of whose parameters holds a gradient start released.
+        When no parameter holds a gradient (the usual case after zero_grad()), the old buckets go
+        first, so that two sets of gradient buffers never exist at once."""
         params = self._params
         self._layout_stale = False
         if self._reducer is not None and all(p.grad is None for p in params):
@@ -292,34 +295,85 @@ class DistributedModel(torch.nn.Module):
                              [_CODE_OF_DTYPE[p.dtype] for p in params], devices,
                              self._order, self._late, min(FIRST_BUCKET_BYTES, self._cap_bytes),
                              self._cap_bytes, comm)
-        buckets = []
+        specs, wires = [], []
         for b in range(reducer.num_buckets):
             code, dev, count, comm_code = reducer.bucket_info(b)
             device = torch.device("cpu") if dev < 0 else torch.device("cuda", dev)
-            buf = torch.zeros(count, dtype=_DTYPE_OF_CODE[code], device=device)
-            wire = (torch.empty(count, dtype=_DTYPE_OF_CODE[comm_code], device=device)
-                    if comm_code >= 0 else None)
-            reducer.set_bucket_memory(b, buf.data_ptr(), wire.data_ptr() if wire is not None else 0,
-                                      (buf, wire))
-            buckets.append(buf)
-        views, bucket_of = [], []
-        for i, p in enumerate(params):
+            specs.append((count, _DTYPE_OF_CODE[code], device))
+            # The wire buffers stay: they are half the size of the buckets and reused each step.
+            wires.append(torch.empty(count, dtype=_DTYPE_OF_CODE[comm_code], device=device)
+                         if comm_code >= 0 else None)
+        offsets, bucket_of = [], []
+        members: List[List[int]] = [[] for _ in specs]
+        for i in range(len(params)):
             b, off = reducer.param_slot(i)
-            view = buckets[b][off:off + p.numel()].view(p.shape)
-            with torch.no_grad():
-                if p.grad is not None:
-                    view.copy_(p.grad)
-            p.grad = view
-            views.append(view)
+            offsets.append(off)
             bucket_of.append(b)
+            members[b].append(i)
         old = self._reducer
-        self._reducer, self._buckets, self._views, self._bucket_of = (
-            reducer, buckets, views, bucket_of)
-        self._bucket_sizes = [0] * len(buckets)
-        for b in bucket_of:
-            self._bucket_sizes[b] += 1
+        self._reducer, self._bucket_specs, self._wires = reducer, specs, wires
+        self._offsets, self._bucket_of, self._members = offsets, bucket_of, members
+        self._buckets = [None] * len(specs)
+        self._views = [None] * len(params)
+        for b, idx in enumerate(members):
+            grads = [params[i].grad for i in idx]
+            if all(g is None for g in grads):
+                reducer.release_bucket(b)
+                continue
+            self._allocate_bucket(b)
+            with torch.no_grad():
+                for i, g in zip(idx, grads):
+                    if g is not None:
+                        self._views[i].copy_(g)
+            for i in idx:
+                params[i].grad = self._views[i]
         if old is not None:
             old.close()
+
+    def _allocate_bucket(self, b: int, grad: Optional[torch.Tensor] = None) -> None:
+        """Gives released bucket b memory: `grad` itself when given (the bucket's only
+        parameter's freshly computed gradient, adopted without a copy), else zeros (padding and
+        the slots of gradients yet to come must be zero). Makes its views; leaves param.grad
+        alone."""
+        count, dtype, device = self._bucket_specs[b]
+        buf = grad.view(-1) if grad is not None else torch.zeros(count, dtype=dtype, device=device)
+        wire = self._wires[b]
+        self._reducer.set_bucket_memory(b, buf.data_ptr(), 0 if wire is None else wire.data_ptr(),
+                                        (buf, wire))
+        self._buckets[b] = buf
+        for i in self._members[b]:
+            p = self._params[i]
+            off = self._offsets[i]
+            self._views[i] = grad if grad is not None else buf[off:off + p.numel()].view(p.shape)
+
+    def _release_bucket(self, b: int) -> None:
+        """Frees bucket b (its parameters' gradients are all None): the reducer, the wrapper and
+        the views let go of it, so its memory returns to the allocator unless the caller still
+        holds one of its old gradients."""
+        self._reducer.release_bucket(b)
+        self._buckets[b] = None
+        for i in self._members[b]:
+            self._views[i] = None
+
+    def _adoptable(self, i: int, g: torch.Tensor) -> bool:
+        """Can gradient g become parameter i's released bucket as it is? When i is alone in the
+        bucket and g is a plain dense tensor filling its own memory exactly, that saves a second
+        copy of a large gradient at the moment memory peaks (a tied embedding's gradient arrives
+        at the start of backward, beside all the activations)."""
+        b = self._bucket_of[i]
+        count, dtype, device = self._bucket_specs[b]
+        return (len(self._members[b]) == 1 and g.dtype == dtype and g.device == device and
+                not g.requires_grad and g.layout == torch.strided and g.is_contiguous() and
+                g.storage_offset() == 0 and
+                g.untyped_storage().nbytes() == count * g.element_size())
+
+    def _slot_for(self, i: int, g: torch.Tensor) -> torch.Tensor:
+        """Parameter i's view, allocating its released bucket first (adopting g if it can)."""
+        view = self._views[i]
+        if view is None:
+            self._allocate_bucket(self._bucket_of[i], g if self._adoptable(i, g) else None)
+            view = self._views[i]
+        return view
 
     @staticmethod
     def _make_hook(ref: Any, i: int) -> Any:
@@ -330,10 +384,14 @@ class DistributedModel(torch.nn.Module):
             view = model._views[i]
             if p.grad is not view:
                 # The gradient was created outside its slot (grad was None or replaced after the
-                # forward, or create_graph=True accumulated out of place): move it in.
-                with torch.no_grad():
-                    view.copy_(p.grad)
-                p.grad = view
+                # forward, or create_graph=True accumulated out of place): move it in, giving its
+                # bucket memory first when the bucket was released at the forward.
+                if view is None:
+                    view = model._slot_for(i, p.grad)
+                if p.grad is not view:
+                    with torch.no_grad():
+                        view.copy_(p.grad)
+                    p.grad = view
             if model._synced_forward:
                 if not model._finalize_queued:
                     # The sink on the outputs queues the end of backward before any gradient
@@ -351,35 +409,39 @@ class DistributedModel(torch.nn.Module):
 
     # ------------------------------------------------------------------ one step
 
-    def _attach_grads(self) -> None:
-        """Makes every param.grad its bucket view again (after zero_grad(set_to_none=True) or a
-        user assignment), zeroing views whose gradient was None."""
-        nones = []
+    def _attach_grads(self, release: bool) -> None:
+        """Prepares the gradients for a backward. A bucket whose gradients are all None is
+        released (release=True; else zeroed and attached): the memory comes back when its first
+        gradient arrives. Other gradients become their bucket views again (after a user
+        assignment, or zero_grad(set_to_none=True) on part of a bucket), zeroed where None."""
+        nones: Dict[int, List[int]] = {}
         for i, p in enumerate(self._params):
             g = p.grad
             view = self._views[i]
-            if g is view:
+            if g is view:  # in its slot, or None in a released bucket
                 continue
             if g is None:
-                nones.append(i)
-            else:
-                with torch.no_grad():
-                    view.copy_(g)
-                p.grad = view
-        if not nones:
-            return
-        with torch.no_grad():
-            missing_by_bucket: Dict[int, List[int]] = {}
-            for i in nones:
-                missing_by_bucket.setdefault(self._bucket_of[i], []).append(i)
-            for b, idx in missing_by_bucket.items():
-                if len(idx) == self._bucket_sizes[b]:
+                nones.setdefault(self._bucket_of[i], []).append(i)
+                continue
+            if view is None:
+                self._allocate_bucket(self._bucket_of[i])
+                view = self._views[i]
+            with torch.no_grad():
+                view.copy_(g)
+            p.grad = view
+        for b, idx in nones.items():
+            whole = len(idx) == len(self._members[b])
+            if whole and release:
+                self._release_bucket(b)
+                continue
+            with torch.no_grad():
+                if whole:
                     self._buckets[b].zero_()
                 else:
                     for i in idx:
                         self._views[i].zero_()
-        for i in nones:
-            self._params[i].grad = self._views[i]
+            for i in idx:
+                self._params[i].grad = self._views[i]
 
     def _arm(self) -> None:
         self._fwd_stream = self._stream()
@@ -414,6 +476,11 @@ class DistributedModel(torch.nn.Module):
     def _finalize_on_device(self) -> None:
         reducer = self._reducer
         stream = self._stream()
+        for b, buf in enumerate(self._buckets):
+            if buf is None:
+                # No gradient of this bucket arrived on this rank, but every rank reduces every
+                # bucket: zeros, for the ranks that did use these parameters.
+                self._allocate_bucket(b)
         for i in reducer.unready():
             p, view = self._params[i], self._views[i]
             g = p.grad
@@ -462,8 +529,9 @@ class DistributedModel(torch.nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Runs the wrapped module. When autograd is on: broadcasts buffers from rank 0
-        (broadcast_buffers=True), points every param.grad at its bucket, and, outside no_sync(),
-        arms the reducer so the next backward averages gradients across ranks."""
+        (broadcast_buffers=True), points every param.grad at its bucket (or frees buckets whose
+        gradients are all None), and, outside no_sync(), arms the reducer so the next backward
+        averages gradients across ranks."""
         grad_on = torch.is_grad_enabled()
         if grad_on:
             if self._layout_stale:
@@ -475,11 +543,15 @@ class DistributedModel(torch.nn.Module):
                     # done: dropping a running one would make the host wait for the GPU.
                     with _on(self._device):
                         self._buffer_works = _broadcast_flat(buffers, self._group, self._device)
-            self._attach_grads()
             self._synced_forward = self._require_sync
             if self._require_sync:
+                # prepare() first: it waits for the collectives of an unfinished step, which may
+                # still use memory that _attach_grads releases.
                 self._arm()
+                self._attach_grads(release=True)
             else:
+                # _active: a synced step is unfinished and its collectives may be in flight.
+                self._attach_grads(release=not self._active)
                 self._active = False
         output = self.module(*inputs, **kwargs)
         if grad_on and self._require_sync:
@@ -525,7 +597,7 @@ class DistributedModel(torch.nn.Module):
         before = [(p.dtype, p.device) for p in self._params]
         result = super()._apply(fn, recurse)
         after = [(p.dtype, p.device) for p in self._params]
-        moved = any(g is not None and g.data_ptr() != v.data_ptr()
+        moved = any(g is not None and (v is None or g.data_ptr() != v.data_ptr())
                     for g, v in ((p.grad, v) for p, v in zip(self._params, self._views)))
         if before != after or moved:
             # .to()/.half() moved parameters or their gradients out of the buckets: start over.
@@ -569,8 +641,11 @@ def wrap_model(module: torch.nn.Module, *, bucket_cap_mb: float = 25,
     grad_dtype: torch.bfloat16 or torch.float16 to reduce gradients in that dtype (half the
     traffic of float32; gradients are cast back afterwards); None reduces in the parameters' dtype.
 
-    Each param.grad is a view into a bucket. Parameters unused in a step (on some or all ranks)
-    get a gradient of zero from the ranks that did not use them. Use model.no_sync() for gradient
+    After backward, each param.grad is a view into a bucket. Buckets whose gradients are all None
+    at a forward (zero_grad(set_to_none=True)) are freed until backward needs them, so peak memory
+    stays close to single-process training; with set_to_none=False they persist. Parameters
+    unused in a step (on some or all ranks) get a gradient of zero from the ranks that did not
+    use them. Use model.no_sync() for gradient
     accumulation, ddpc.unwrap(model) for the original module.
     """
     if not isinstance(module, torch.nn.Module):
