@@ -688,6 +688,7 @@ static ddpc_status shm_setup(CpuComm *c) {
     DdpcGroup *g = c->g;
     char key[256], name[128], mine[1024] = "ok", theirs[1024];
     ddpc_status st = DDPC_OK, local;
+    int linked = 0; /* rank 0 created the segment and has not unlinked it yet */
     ddpc_group_key(g, key, sizeof key, "cpu/shm/name");
     if (g->rank == 0) {
         unsigned char rnd[12];
@@ -701,6 +702,7 @@ static ddpc_status shm_setup(CpuComm *c) {
         hex_of(hex, rnd, sizeof rnd);
         snprintf(name, sizeof name, "/ddpc-%s-%d-%s", tag, (int)getpid(), hex);
         local = shm_create(c, name);
+        linked = local == DDPC_OK;
         char val[1100];
         if (local == DDPC_OK) snprintf(val, sizeof val, "%s", name);
         else snprintf(val, sizeof val, "!rank 0 could not create it: %s", ddpc_last_error());
@@ -720,7 +722,8 @@ static ddpc_status shm_setup(CpuComm *c) {
     ddpc_group_key(g, key, sizeof key, "cpu/shm/ok/%d", g->rank);
     DDPC_CHECK_GOTO(store_set_str(g, key, mine), st, fail);
     st = store_wait_ranks(g, "cpu/shm/ok/%d");
-    if (g->rank == 0 && local == DDPC_OK) shm_unlink(name);
+    if (linked) shm_unlink(name);
+    linked = 0;
     if (st != DDPC_OK) goto fail;
     for (int r = 0; r < g->world; r++) {
         ddpc_group_key(g, key, sizeof key, "cpu/shm/ok/%d", r);
@@ -740,6 +743,8 @@ static ddpc_status shm_setup(CpuComm *c) {
               c->map_len >> 20, c->slot >> 10);
     return DDPC_OK;
 fail:
+    /* A store failure before every rank reported must not leave the segment in /dev/shm. */
+    if (linked) shm_unlink(name);
     shm_release(c);
     return st;
 }
@@ -1198,7 +1203,11 @@ static ddpc_status tcp_accept_left(CpuComm *c, int lfd, const unsigned char *coo
         ddpc_status st = io_all(fd, hello, sizeof hello, 0, hello_deadline, what);
         if (st == DDPC_OK && get_u32(hello) == TCP_MAGIC && get_u32(hello + 4) == (uint32_t)left &&
             !memcmp(hello + 8, cookie, 16)) {
-            DDPC_CHECK(set_nodelay(fd));
+            st = set_nodelay(fd);
+            if (st != DDPC_OK) {
+                close(fd);
+                return st;
+            }
             c->left_fd = fd;
             return DDPC_OK;
         }

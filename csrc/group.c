@@ -129,13 +129,18 @@ ddpc_status ddpc_group_check_abort(DdpcGroup *g) {
     size_t len = 0;
     if (ddpc_store_get(g->store, key, 1000, &val, &len) != DDPC_OK) return DDPC_OK;
     char *s = val;
-    int code = atoi(s);
+    /* "<status>:<message>", written by a peer's ddpc_group_abort; not NUL-terminated. A status
+     * outside the failures a peer can report (e.g. "interrupted") is read as a peer failure. */
+    char num[16];
+    snprintf(num, sizeof num, "%.*s", (int)DDPC_MIN(len, sizeof num - 1), s);
+    int code = atoi(num);
+    int known = code > 0 && code <= DDPC_ERR_PROTOCOL && code != DDPC_ERR_INTERRUPTED;
     char *colon = memchr(s, ':', len);
     int expected = 0;
     if (atomic_compare_exchange_strong(&g->aborted, &expected, 2)) {
-        g->abort_status = code > 0 ? (ddpc_status)code : DDPC_ERR_PEER;
-        snprintf(g->abort_msg, sizeof g->abort_msg, "%.*s", (int)(colon ? len - (size_t)(colon + 1 - s) : len),
-                 colon ? colon + 1 : s);
+        g->abort_status = known ? (ddpc_status)code : DDPC_ERR_PEER;
+        snprintf(g->abort_msg, sizeof g->abort_msg, "%.*s",
+                 (int)(colon ? len - (size_t)(colon + 1 - s) : len), colon ? colon + 1 : s);
         atomic_store(&g->aborted, 1);
         if (g->ops->abort) g->ops->abort(g);
     }

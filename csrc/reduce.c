@@ -217,8 +217,10 @@ static void scale_any(void *buf, size_t n, ddpc_dtype dt, int64_t d) {
     case DDPC_FLOAT64: scale_f64(buf, n, (double)d); break;
     case DDPC_INT32: scale_i32(buf, n, (int32_t)d); break;
     case DDPC_INT64: scale_i64(buf, n, d); break;
-    case DDPC_UINT8: scale_u8(buf, n, (uint32_t)d); break;
-    case DDPC_INT8: scale_i8(buf, n, (int32_t)d); break;
+    /* A divisor beyond the 32-bit helper type would truncate (to 0 for 2^32: SIGFPE); any
+     * divisor above 255 already gives 0 for every 8-bit value, so clamping changes nothing. */
+    case DDPC_UINT8: scale_u8(buf, n, (uint32_t)DDPC_MIN(d, (int64_t)UINT8_MAX + 1)); break;
+    case DDPC_INT8: scale_i8(buf, n, (int32_t)DDPC_MIN(d, (int64_t)INT8_MAX + 2)); break;
     case DDPC_FLOAT16:
     case DDPC_BFLOAT16: {
         float tmp[BLK];

@@ -537,3 +537,35 @@ def test_abort_and_destroy_fail_peers_fast(transport):
 if __name__ == "__main__":
     result = SCENARIOS[sys.argv[1]]()
     print("RESULT " + json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------------------- argument checks
+
+
+@pytest.fixture
+def world_one(monkeypatch):
+    """A default group of one rank in this process (no launcher variables)."""
+    import ddpc
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT", "DDPC_TOKEN", "DDPC_TIMEOUT"):
+        monkeypatch.delenv(k, raising=False)
+    ddpc.init_process_group(backend="cpu", rank=0, world_size=1, timeout=30)
+    yield ddpc
+    ddpc.destroy_process_group()
+
+
+def test_non_native_byte_order_is_refused(world_one):
+    """A big-endian array would be summed as if it were little-endian: wrong numbers, no error."""
+    x = np.arange(4, dtype=np.float32).astype(np.dtype(np.float32).newbyteorder())
+    with pytest.raises(ValueError, match="byte order"):
+        world_one.all_reduce(x)
+    out = np.zeros(4, dtype=x.dtype)
+    with pytest.raises(ValueError, match="byte order"):
+        world_one.all_gather_into_tensor(out, x)
+
+
+def test_sparse_tensor_is_a_type_error(world_one):
+    torch = pytest.importorskip("torch")
+    s = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,), check_invariants=True)
+    with pytest.raises(TypeError, match="dense"):
+        world_one.all_reduce(s)

@@ -128,6 +128,7 @@ def test_missing_rank_says_how_to_launch(clean_env):
     (dict(backend="cpu", init_method="http://x"), ValueError, "not supported"),
     (dict(backend="cpu", init_method="tcp://nohostport"), ValueError, "tcp://host:port"),
     (dict(backend="cpu", timeout=-1), ValueError, "timeout must be positive"),
+    (dict(backend="cpu", timeout=float("nan")), ValueError, "timeout must be positive"),
     (dict(backend="cpu", timeout="10"), TypeError, "timeout must be"),
     (dict(backend="cpu", rank=3, world_size=2), ValueError, r"rank must be in \[0, 2\)"),
     (dict(backend="cpu", bogus=1), TypeError, "bogus"),
@@ -135,6 +136,14 @@ def test_missing_rank_says_how_to_launch(clean_env):
 def test_bad_arguments(clean_env, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         ddpc.init_process_group(**kwargs)
+    assert not ddpc.is_initialized()
+
+
+@pytest.mark.parametrize("value", ["ten", "nan", "-5", "0"])
+def test_bad_ddpc_timeout_variable(clean_env, monkeypatch, value):
+    monkeypatch.setenv("DDPC_TIMEOUT", value)
+    with pytest.raises(ValueError, match=f"DDPC_TIMEOUT='{value}'"):
+        ddpc.init_process_group(backend="cpu", rank=0, world_size=1)
     assert not ddpc.is_initialized()
 
 

@@ -135,7 +135,18 @@ def _resolve_ranks(rank: int, world_size: int) -> Tuple[int, int, int, int]:
 def _timeout_seconds(timeout: Any) -> float:
     if timeout is None:
         env = os.environ.get("DDPC_TIMEOUT")
-        return float(env) if env else DEFAULT_TIMEOUT_S
+        if not env:
+            return DEFAULT_TIMEOUT_S
+        try:
+            seconds = float(env)
+        except ValueError:
+            raise ValueError(f"environment variable DDPC_TIMEOUT={env!r} is not a number of "
+                             f"seconds") from None
+        # NaN and negatives would reach C as an undefined conversion or "wait forever".
+        if not seconds > 0:
+            raise ValueError(f"environment variable DDPC_TIMEOUT={env!r} must be a positive "
+                             f"number of seconds")
+        return seconds
     if isinstance(timeout, datetime.timedelta):
         seconds = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
@@ -143,7 +154,7 @@ def _timeout_seconds(timeout: Any) -> float:
     else:
         raise TypeError(f"timeout must be seconds (float) or a datetime.timedelta, "
                         f"got {type(timeout).__name__}")
-    if seconds <= 0:
+    if not seconds > 0:  # also NaN, whose conversion to milliseconds in C is undefined
         raise ValueError(f"timeout must be positive, got {seconds} s")
     return seconds
 
@@ -505,11 +516,12 @@ def _torch_buffer(t: Any, what: str) -> _Buffer:
     if dtype is None:
         dtype = _dtype_code(str(t.dtype).replace("torch.", ""), what)
         _TORCH_DTYPE_CODES[t.dtype] = dtype
+    # Layout first: a sparse tensor's is_contiguous() raises instead of answering.
+    if t.layout is not sys.modules["torch"].strided:
+        raise TypeError(f"{what} must be a dense (strided) tensor, got layout {t.layout}")
     if not t.is_contiguous():
         raise ValueError(f"{what} is not contiguous (shape {tuple(t.shape)}, strides "
                          f"{t.stride()}): pass tensor.contiguous() and copy the result back")
-    if t.is_sparse:
-        raise TypeError(f"{what} must be a dense (strided) tensor, got layout {t.layout}")
     dev_t = t.device
     if dev_t.type == "cuda":
         import torch
@@ -526,6 +538,9 @@ def _numpy_buffer(a: Any, what: str, writable: bool) -> _Buffer:
     if not a.flags["C_CONTIGUOUS"]:
         raise ValueError(f"{what} is not C-contiguous: pass numpy.ascontiguousarray(x) and copy "
                          f"the result back")
+    if not a.dtype.isnative:
+        raise ValueError(f"{what} has non-native byte order ({a.dtype.str}): the collective would "
+                         f"misread its values; pass x.astype(x.dtype.newbyteorder('='))")
     if writable and not a.flags["WRITEABLE"]:
         raise ValueError(f"{what} is read-only, but the collective writes its result into it")
     return _Buffer(a.ctypes.data, a.size, _dtype_code(a.dtype.name, what), -1, 0, a,
@@ -594,7 +609,9 @@ class Work:
 
     def wait(self, timeout: Any = None) -> bool:
         """Waits for the collective. On GPU, makes the current CUDA stream wait for it (no host
-        sync), like torch's NCCL work. Raises ddpc.DistributedError if it failed."""
+        sync), like torch's NCCL work. Raises ddpc.DistributedError if it failed. `timeout` is
+        accepted for torch compatibility; the deadline is the group's timeout, set at
+        init_process_group."""
         if self._device_side:
             import torch
             self._work.wait(torch.cuda.current_stream().cuda_stream, True)

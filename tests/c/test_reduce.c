@@ -400,6 +400,17 @@ static void test_scale(void) {
     for (int i = 0; i < 3000; i++)
         EXPECT(h[i] == ref_half((float)((i % 200) - 100) / 3.0f), "half scale [%d]", i);
     EXPECT(ddpc_reduce_scale(f, 2, DDPC_FLOAT32, 0) == DDPC_ERR_INVALID, "divisor 0 rejected");
+    /* Divisors that a 32-bit cast would turn into 0 (SIGFPE) or a negative number. */
+    int8_t big8[] = {-128, 127, 5};
+    uint8_t bigu8[] = {255, 1};
+    EXPECT(ddpc_reduce_scale(big8, 3, DDPC_INT8, (int64_t)1 << 32) == DDPC_OK &&
+               !big8[0] && !big8[1] && !big8[2], "int8 / 2^32: %d %d %d", big8[0], big8[1], big8[2]);
+    EXPECT(ddpc_reduce_scale(big8, 3, DDPC_INT8, ((int64_t)1 << 32) + 1) == DDPC_OK, "int8 odd");
+    EXPECT(ddpc_reduce_scale(bigu8, 2, DDPC_UINT8, (int64_t)1 << 32) == DDPC_OK &&
+               !bigu8[0] && !bigu8[1], "uint8 / 2^32: %d %d", bigu8[0], bigu8[1]);
+    int8_t neg8[] = {-128, 127};
+    EXPECT(ddpc_reduce_scale(neg8, 2, DDPC_INT8, (int64_t)1 << 31) == DDPC_OK && !neg8[0] &&
+               !neg8[1], "int8 / 2^31: %d %d", neg8[0], neg8[1]);
 }
 
 static void test_errors(void) {
