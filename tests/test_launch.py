@@ -381,3 +381,47 @@ def test_bad_arguments_are_named(tmp_path, args, message):
     assert rc == 2
     assert message in err
     assert "ran" not in out
+
+
+class _FailsWhileWatched:
+    """A WorkerGroup stand-in whose only rank exits with status 1 right after the watcher has
+    asked for failures (the window between that question and the next one)."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        from ddpc.launch import Worker
+        self.workers = [Worker(0, 0, SimpleNamespace(pid=2 ** 22 + 1))]
+
+    def failures(self):
+        failed = [w for w in self.workers if w.returncode not in (None, 0)]
+        for w in self.workers:
+            if w.returncode is None:
+                w.returncode, w.exited_at = 1, time.monotonic()
+        return failed
+
+    def running(self):
+        return [w for w in self.workers if w.returncode is None]
+
+    def stop(self, *args, **kwargs):
+        pass
+
+    def finish(self):
+        pass
+
+    def wait_change(self, timeout):
+        pass
+
+
+def test_rank_failing_during_the_watch_is_not_a_success(capsys):
+    """The launcher's and notebook_launcher's watch loops report a rank that fails between
+    their look for failures and their look for running ranks (it used to count as success)."""
+    sys.path.insert(0, PYDIR)
+    from ddpc.launch import Launcher
+    from ddpc.notebook import WorkerError, _wait
+    launcher = Launcher(None)
+    status, failed = launcher.watch(_FailsWhileWatched())
+    assert (status, failed is not None) == (1, True)
+    assert "rank 0 (local rank 0" in capsys.readouterr().err
+    with pytest.raises(WorkerError, match="rank 0 died with exit code 1"):
+        _wait(_FailsWhileWatched(), 1, "/nonexistent", None, False)

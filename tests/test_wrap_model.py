@@ -1,6 +1,7 @@
 """ddpc.wrap_model on 2 real processes (CPU backend): gradients equal single-process training on the
 combined batch, unused parameters, no_sync, weight sharing, checkpointing, zero_grad modes,
-bf16 reduction, model mismatches, state_dict, autocast + GradScaler; plus the reducer's C test.
+bf16 reduction, model mismatches, state_dict, autocast + GradScaler, a memory-format change after
+wrapping, a backward that raises; plus the reducer's C test.
 
 Both ranks run every scenario once (a module-scoped fixture); each test checks one scenario's
 results, so a broken feature fails its own test.
@@ -442,6 +443,105 @@ def sc_state_dict(rank):
     return out
 
 
+class SmallConv(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 3, 3)
+        self.fc = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(self.conv(x).mean((2, 3)))
+
+
+def sc_memory_format(rank):
+    """.to(memory_format=torch.channels_last) after wrap_model, with gradients held: torch
+    re-points each param.grad (a bucket view) at new memory through .data, leaving dtype and
+    device alone; the reducer must follow, or it averages memory no gradient lives in."""
+    import warnings
+
+    import ddpc
+    model = make(SmallConv, rank, torch.float64)
+    wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL)
+    errs = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(80 + step)
+        x = torch.randn(WORLD * B, 2, 5, 5, generator=g, dtype=torch.float64)
+        y = torch.randn(WORLD * B, 3, generator=g, dtype=torch.float64)
+        expected = None
+        for r in range(WORLD):
+            loc = local_grads(model, lambda m, r=r: mse(m(shard(x, r)), shard(y, r)))
+            expected = loc if expected is None else [a + b for a, b in zip(expected, loc)]
+        if step == 2:  # after the first step's layout change, which rebuilds the buckets anyway
+            with warnings.catch_warnings():
+                # torch notes that the (contiguous) bucket views no longer match the layout
+                warnings.simplefilter("ignore")
+                wrapped.to(memory_format=torch.channels_last)
+        for p in model.parameters():
+            if p.grad is not None:  # held through the .to() of step 2
+                p.grad.zero_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+        errs.append(max((p.grad - e / WORLD).abs().max().item()
+                        for p, e in zip(model.parameters(), expected)))
+    return {"errs": errs, "channels_last": model.conv.weight.is_contiguous(
+        memory_format=torch.channels_last)}
+
+
+class _Boom(torch.autograd.Function):
+    """Identity whose backward raises: a backward pass that fails half way."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom")
+
+
+class Fails(MLP):
+    def forward(self, x, fail=False):
+        h = torch.tanh(self.fc2(torch.tanh(self.fc1(x))))
+        return self.out(_Boom.apply(h) if fail else h)
+
+
+def sc_failed_backward(rank):
+    """A synced backward that raises after the output layer's bucket was launched, then
+    gradient accumulation: the first forward after it, no_sync or not, waits for that
+    collective and reports the lost step, so no in-flight reduction writes into the gradients
+    accumulated next."""
+    import ddpc
+    model = make(Fails, rank, torch.float64)
+    wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL)
+    out = {}
+    for step in range(2):  # the second step runs the observed layout, launching during backward
+        x, y = batch(90 + step)
+        for p in model.parameters():
+            p.grad = None
+        mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+    for p in model.parameters():
+        p.grad = None
+    try:
+        mse(wrapped(shard(x, rank), fail=True), shard(y, rank)).backward()
+    except RuntimeError as e:
+        out["backward"] = str(e)
+    for p in model.parameters():
+        p.grad = None
+    with wrapped.no_sync():
+        try:
+            wrapped(shard(x, rank))
+            out["next_forward"] = None
+        except ValueError as e:
+            out["next_forward"] = str(e)
+        x, y = batch(92)
+        mine = local_grads(model, lambda m: mse(m(shard(x, rank)), shard(y, rank)))
+        mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+    out["local_err"] = max((p.grad - e).abs().max().item()
+                           for p, e in zip(model.parameters(), mine))
+    return out
+
+
 def sc_amp(rank):
     import ddpc
     model = make(MLP, rank, torch.float32)
@@ -474,6 +574,8 @@ SCENARIOS = [
     ("mismatch", sc_mismatch),
     ("state_dict", sc_state_dict),
     ("amp", sc_amp),
+    ("memory_format", sc_memory_format),
+    ("failed_backward", sc_failed_backward),
 ]
 
 
@@ -617,6 +719,19 @@ def test_autocast_gradscaler_clip_identical_on_every_rank(runs):
     assert r0["norms"] == r1["norms"]
     assert r0["params"] == r1["params"]
     assert r0["norms"][0] > 0
+
+
+def test_memory_format_change_after_wrap_still_averages(runs):
+    for r in result(runs, "memory_format"):
+        assert r["channels_last"]
+        assert max(r["errs"]) < 1e-12, r["errs"]
+
+
+def test_forward_after_a_failed_backward_reports_it_even_under_no_sync(runs):
+    for r in result(runs, "failed_backward"):
+        assert r["backward"] == "boom"
+        assert r["next_forward"] is not None and "did not finish" in r["next_forward"], r
+        assert r["local_err"] < 1e-12, r
 
 
 def test_reducer_c_unit():

@@ -637,6 +637,9 @@ class Launcher:
                          f"rank(s) ({signal_name(forward)}, then SIGKILL after "
                          f"{self.cfg.timeout_kill:g} s)")
                 return 128 + sig, None
+            # running() before failures(): a rank that fails between the two calls is then
+            # still running in the first, rather than missing from both and the job a success.
+            running = group.running()
             failures = group.failures()
             if failures:
                 first = failures[0]
@@ -644,7 +647,7 @@ class Launcher:
                 group.finish()
                 self.say(failure_summary(group, first))
                 return exit_status(first.returncode), first
-            if not group.running():
+            if not running:
                 group.finish()
                 return 0, None
             group.wait_change(0.1)

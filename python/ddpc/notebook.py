@@ -319,12 +319,13 @@ def _wait(group: WorkerGroup, nproc: int, job_dir: str, timeout: float | None,
     """Waits for every rank; stops the rest and raises on the first failure or the timeout."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
+        running = group.running()  # before failures(): see Launcher.watch
         failures = group.failures()
         if failures:
             group.stop(signal.SIGTERM)
             group.finish()
             raise _worker_error(group, failures[0], job_dir)
-        if not group.running():
+        if not running:
             group.finish()
             break
         if deadline is not None and time.monotonic() > deadline:

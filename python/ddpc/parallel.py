@@ -314,6 +314,7 @@ class DistributedModel(torch.nn.Module):
         self._reducer, self._bucket_specs, self._wires = reducer, specs, wires
         self._offsets, self._bucket_of, self._members = offsets, bucket_of, members
         self._buckets = [None] * len(specs)
+        self._bucket_ptrs = [0] * len(specs)
         self._views = [None] * len(params)
         for b, idx in enumerate(members):
             grads = [params[i].grad for i in idx]
@@ -341,6 +342,7 @@ class DistributedModel(torch.nn.Module):
         self._reducer.set_bucket_memory(b, buf.data_ptr(), 0 if wire is None else wire.data_ptr(),
                                         (buf, wire))
         self._buckets[b] = buf
+        self._bucket_ptrs[b] = buf.data_ptr()
         for i in self._members[b]:
             p = self._params[i]
             off = self._offsets[i]
@@ -409,11 +411,11 @@ class DistributedModel(torch.nn.Module):
 
     # ------------------------------------------------------------------ one step
 
-    def _attach_grads(self, release: bool) -> None:
-        """Prepares the gradients for a backward. A bucket whose gradients are all None is
-        released (release=True; else zeroed and attached): the memory comes back when its first
-        gradient arrives. Other gradients become their bucket views again (after a user
-        assignment, or zero_grad(set_to_none=True) on part of a bucket), zeroed where None."""
+    def _attach_grads(self) -> None:
+        """Prepares the gradients for a backward (no collective may be in flight). A bucket
+        whose gradients are all None is released: the memory comes back when its first gradient
+        arrives. Other gradients become their bucket views again (after a user assignment, or
+        zero_grad(set_to_none=True) on part of a bucket), zeroed where None."""
         nones: Dict[int, List[int]] = {}
         for i, p in enumerate(self._params):
             g = p.grad
@@ -430,16 +432,12 @@ class DistributedModel(torch.nn.Module):
                 view.copy_(g)
             p.grad = view
         for b, idx in nones.items():
-            whole = len(idx) == len(self._members[b])
-            if whole and release:
+            if len(idx) == len(self._members[b]):
                 self._release_bucket(b)
                 continue
             with torch.no_grad():
-                if whole:
-                    self._buckets[b].zero_()
-                else:
-                    for i in idx:
-                        self._views[i].zero_()
+                for i in idx:
+                    self._views[i].zero_()
             for i in idx:
                 self._params[i].grad = self._views[i]
 
@@ -548,11 +546,16 @@ class DistributedModel(torch.nn.Module):
                 # prepare() first: it waits for the collectives of an unfinished step, which may
                 # still use memory that _attach_grads releases.
                 self._arm()
-                self._attach_grads(release=True)
+                self._attach_grads()
             else:
-                # _active: a synced step is unfinished and its collectives may be in flight.
-                self._attach_grads(release=not self._active)
-                self._active = False
+                if self._active:
+                    # A synced step is unfinished (its backward raised, or never ran): its
+                    # collectives may still write into the buckets that _attach_grads zeroes or
+                    # frees. prepare() waits for them, and raises when that step's gradients
+                    # were lost, as the next synced forward would.
+                    self._active = False
+                    self._reducer.prepare()
+                self._attach_grads()
         output = self.module(*inputs, **kwargs)
         if grad_on and self._require_sync:
             output = self._attach_sink(output)
@@ -597,16 +600,33 @@ class DistributedModel(torch.nn.Module):
         before = [(p.dtype, p.device) for p in self._params]
         result = super()._apply(fn, recurse)
         after = [(p.dtype, p.device) for p in self._params]
-        moved = any(g is not None and (v is None or g.data_ptr() != v.data_ptr())
-                    for g, v in ((p.grad, v) for p, v in zip(self._params, self._views)))
-        if before != after or moved:
-            # .to()/.half() moved parameters or their gradients out of the buckets: start over.
+        if before != after or self._slots_moved():
+            # .to()/.half() moved parameters or their gradients out of the buckets, or
+            # .to(memory_format=...) / share_memory() gave the gradients (bucket views, changed
+            # in place through .data) other memory than the reducer's: start over.
             problem = self._check_params()
             if problem is not None:
                 raise problem
             self._build_buckets()
             self._is_cuda = [p.device.type == "cuda" for p in self._params]
         return result
+
+    def _slots_moved(self) -> bool:
+        """Does some gradient, or some bucket view, no longer lie where the reducer reads?"""
+        for i, (p, v) in enumerate(zip(self._params, self._views)):
+            g = p.grad
+            if v is None:
+                if g is not None:
+                    return True
+                continue
+            if g is not None and g.data_ptr() != v.data_ptr():
+                return True
+            b = self._bucket_of[i]
+            # (an empty tensor reports data_ptr() 0 wherever it lies)
+            if v.numel() and \
+                    v.data_ptr() != self._bucket_ptrs[b] + self._offsets[i] * v.element_size():
+                return True
+        return False
 
 
 def _remove_hooks(handles: List[Any]) -> None:
