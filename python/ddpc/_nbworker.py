@@ -78,8 +78,9 @@ def main(job_dir: str) -> int:
     try:
         with open(os.path.join(job_dir, "payload.pkl"), "rb") as f:
             meta = pickle.load(f)
-            # The notebook's sys.path first, so functions pickled by reference (from modules the
-            # notebook imported after editing sys.path) can be imported here too.
+            # The notebook's extra sys.path entries, appended, so functions pickled by reference
+            # (from modules the notebook imported after editing sys.path) import here too, while
+            # this interpreter's own ddpc stays first.
             sys.path.extend(p for p in meta["sys_path"] if p not in sys.path)
             sys.argv = list(meta["argv"])
             # Source lines of notebook cells, so tracebacks through them show code.
