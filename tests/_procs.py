@@ -39,3 +39,45 @@ def finish_all(procs: Sequence[subprocess.Popen],
                 p.kill()
                 p.wait()
     return outs
+
+
+def spawn_scenarios(target, world: int, timeout: float) -> dict:
+    """Runs target(rank, port, results) in `world` spawned processes (a free port for their
+    rendezvous); each puts (rank, {scenario: ("ok", value) | ("error", traceback)}) on results.
+    Returns {rank: that dict}; fails the test when a rank does not report within timeout."""
+    import multiprocessing as mp
+    import queue
+
+    import pytest
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(world):
+            rank, out = results.get(timeout=timeout)
+            got[rank] = out
+    except queue.Empty:
+        pytest.fail(f"ranks {sorted(set(range(world)) - set(got))} did not report within "
+                    f"{timeout:.0f} s")
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
+def scenario_result(runs: dict, name: str) -> list:
+    """Every rank's value for scenario `name`, asserting that none of them failed."""
+    outs = []
+    for rank in sorted(runs):
+        status, value = runs[rank][name]
+        assert status == "ok", f"rank {rank} failed in scenario {name}:\n{value}"
+        outs.append(value)
+    return outs

@@ -6,15 +6,13 @@ backward produces gradients (adopting a lone parameter's gradient without a copy
 """
 import copy
 import gc
-import multiprocessing as mp
 import os
-import queue
-import socket
 import traceback
 import weakref
 
 import pytest
 import torch
+from _procs import scenario_result, spawn_scenarios
 
 WORLD = 2
 CHUNK = 256  # bytes: forces many chunks on a small model
@@ -205,43 +203,13 @@ def _worker(rank, port, results):
     ddpc.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs():
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, results), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in range(WORLD):
-            rank, out = results.get(timeout=90)
-            got[rank] = out
-    except queue.Empty:
-        pytest.fail(f"ranks {sorted(set(range(WORLD)) - set(got))} did not report within 90 s")
-    finally:
-        for p in procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
-    return got
+    return spawn_scenarios(_worker, WORLD, 90)
 
 
 def result(runs, name):
-    outs = []
-    for rank in range(WORLD):
-        status, value = runs[rank][name]
-        assert status == "ok", f"rank {rank} failed in scenario {name}:\n{value}"
-        outs.append(value)
-    return outs
+    return scenario_result(runs, name)
 
 
 def test_parameters_and_buffers_arrive_in_bounded_chunks(runs):
