@@ -173,6 +173,24 @@ fail:
     return st;
 }
 
+/* Frees the reducer and its arrays (NULL-safe); the mutex and works are the caller's. */
+static void free_arrays(DdpcReducer *r) {
+    if (!r) return;
+    free(r->numels);
+    free(r->dtypes);
+    free(r->devices);
+    free(r->buckets);
+    free(r->bucket_params);
+    free(r->param_bucket);
+    free(r->param_offset);
+    free(r->ready);
+    free(r->ready_count);
+    free(r->seen);
+    free(r->last_order);
+    free(r->last_count);
+    free(r);
+}
+
 ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
                                 const ddpc_dtype *dtypes, const int *devices, const int *order,
                                 const uint8_t *late, size_t first_bucket_bytes,
@@ -239,21 +257,7 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
 fail:
     free(seen);
     free(seq);
-    if (r) {
-        free(r->numels);
-        free(r->dtypes);
-        free(r->devices);
-        free(r->buckets);
-        free(r->bucket_params);
-        free(r->param_bucket);
-        free(r->param_offset);
-        free(r->ready);
-        free(r->ready_count);
-        free(r->seen);
-        free(r->last_order);
-        free(r->last_count);
-        free(r);
-    }
+    free_arrays(r);
     return st;
 }
 
@@ -280,19 +284,7 @@ void ddpc_reducer_destroy(DdpcReducer *r) {
     if (!r) return;
     drain(r);
     pthread_mutex_destroy(&r->mu);
-    free(r->numels);
-    free(r->dtypes);
-    free(r->devices);
-    free(r->buckets);
-    free(r->bucket_params);
-    free(r->param_bucket);
-    free(r->param_offset);
-    free(r->ready);
-    free(r->ready_count);
-    free(r->seen);
-    free(r->last_order);
-    free(r->last_count);
-    free(r);
+    free_arrays(r);
 }
 
 int ddpc_reducer_num_buckets(const DdpcReducer *r) { return r->nbuckets; }
