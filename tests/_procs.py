@@ -81,3 +81,17 @@ def scenario_result(runs: dict, name: str) -> list:
         assert status == "ok", f"rank {rank} failed in scenario {name}:\n{value}"
         outs.append(value)
     return outs
+
+
+def report_scenarios(scenarios, rank: int, results) -> None:
+    """Inside a spawned rank: runs each (name, fn) of scenarios as fn(rank) and puts
+    (rank, {name: ("ok", value) | ("error", traceback)}) on results, for spawn_scenarios."""
+    import traceback
+
+    out = {}
+    for name, fn in scenarios:
+        try:
+            out[name] = ("ok", fn(rank))
+        except BaseException:  # reported by the test of that scenario
+            out[name] = ("error", traceback.format_exc())
+    results.put((rank, out))

@@ -9,11 +9,10 @@ results, so a broken feature fails its own test.
 import copy
 import os
 import subprocess
-import traceback
 
 import pytest
 import torch
-from _procs import scenario_result, spawn_scenarios
+from _procs import report_scenarios, scenario_result, spawn_scenarios
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -583,13 +582,7 @@ def _worker(rank, port, results):
     import ddpc
     ddpc.init_process_group(backend="cpu", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=30)
-    out = {}
-    for name, fn in SCENARIOS:
-        try:
-            out[name] = ("ok", fn(rank))
-        except BaseException:  # reported by the test of that scenario
-            out[name] = ("error", traceback.format_exc())
-    results.put((rank, out))
+    report_scenarios(SCENARIOS, rank, results)
     ddpc.destroy_process_group()
 
 

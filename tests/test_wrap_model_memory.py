@@ -7,12 +7,11 @@ backward produces gradients (adopting a lone parameter's gradient without a copy
 import copy
 import gc
 import os
-import traceback
 import weakref
 
 import pytest
 import torch
-from _procs import scenario_result, spawn_scenarios
+from _procs import report_scenarios, scenario_result, spawn_scenarios
 
 WORLD = 2
 CHUNK = 256  # bytes: forces many chunks on a small model
@@ -193,13 +192,7 @@ def _worker(rank, port, results):
     import ddpc
     ddpc.init_process_group(backend="cpu", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=30)
-    out = {}
-    for name, fn in SCENARIOS:
-        try:
-            out[name] = ("ok", fn(rank))
-        except BaseException:
-            out[name] = ("error", traceback.format_exc())
-    results.put((rank, out))
+    report_scenarios(SCENARIOS, rank, results)
     ddpc.destroy_process_group()
 
 
