@@ -217,6 +217,16 @@ def _worker(rank, args, ports, results):
         Variant("ddpc", lambda m: ddpc.wrap_model(m)),
         Variant("ddpc grad_dtype=bf16", lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16)),
     ]
+    for cap in args.extra_caps:
+        variants.append(Variant(f"ddpc bucket_cap_mb={cap:g}",
+                                lambda m, cap=cap: ddpc.wrap_model(m, bucket_cap_mb=cap)))
+    if args.variants:
+        keep = [k.strip() for k in args.variants.split(",")]
+        unknown = [k for k in keep if not any(v.name == k for v in variants)]
+        if unknown:
+            raise SystemExit(f"--variants: unknown {unknown}; choose from "
+                             f"{[v.name for v in variants]}")
+        variants = [v for v in variants if v.name in keep]
     # The single-process baseline runs on rank 0 while the others wait at a barrier.
     for v in variants:
         if not v.single or rank == 0:
@@ -264,6 +274,10 @@ def main() -> int:
     ap.add_argument("--p2p", choices=["on", "off"], default=None,
                     help="cuda: off sets NCCL_P2P_DISABLE=1, on unsets it (default: inherited)")
     ap.add_argument("--json", default="", help="also write the results to this file")
+    ap.add_argument("--variants", default="",
+                    help="comma-separated variant names to run (default: all)")
+    ap.add_argument("--extra-caps", type=float, nargs="*", default=[],
+                    help="also run ddpc with these bucket_cap_mb values")
     ap.add_argument("--timeout", type=float, default=200.0,
                     help="seconds before the workers are stopped (default 200)")
     args = ap.parse_args()
@@ -329,7 +343,7 @@ def main() -> int:
           + (", bf16 autocast, fused AdamW" if args.device == "cuda" else ", fp32, AdamW"))
     print("env: " + ", ".join(f"{k}={'<unset>' if v is None else v}" for k, v in env.items()))
     mem_name = "+max_memory_allocated" if args.device == "cuda" else "+peak RSS"
-    ref = next(ms for name, ms, _ in rows if name == "torch DDP")
+    ref = next((ms for name, ms, _ in rows if name == "torch DDP"), rows[0][1])
     single = next((ms for name, ms, _ in rows if name.startswith("1 process")), None)
     print(f"{'variant':32s} {'ms/step':>9s} {'vs torch DDP':>13s} {'scaling eff.':>13s} "
           f"{mem_name + ' MiB':>26s}")

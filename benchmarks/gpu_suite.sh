@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build, GPU tests, NCCL collectives and DDP step benchmarks,
-# doctor. Logs and JSON (8 files, the device tool's limit) go to $OUT (or ./gpu_out). Each stage has its own time limit and the
-# script goes on after a failing stage, so one run yields every result it can.
+# One call on the GPU machine: build, GPU tests, per-call latency, NCCL collectives, DDP step
+# benchmarks (NVLink and NCCL_P2P_DISABLE=1), a profiled step, doctor. Logs (8 files, the device
+# tool's limit) go to $OUT (or ./gpu_out). Each stage has its own time limit and the script goes
+# on after a failing stage, so one run yields every result it can.
 set -u
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -16,12 +17,13 @@ stage() {  # stage NAME SECONDS CMD...
     tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
 nvidia-smi --query-gpu=index,name,pci.bus_id,memory.used,memory.total --format=csv,noheader
-stage build 120 $PY -m pip install --no-build-isolation --no-deps -e .
-stage collectives 100 $PY benchmarks/collectives.py --backend nccl --nproc 2 --min-bytes 1024 \
+stage build 150 $PY -m pip install --no-build-isolation --no-deps -e .
+TAIL=6 stage gpu_tests 240 $PY -m pytest -m gpu -q -ra tests/test_gpu.py tests/test_gpu_wrap_model.py
+stage latency 90 $PY benchmarks/latency.py --nproc 2 --iters 1000 --max-bytes 1048576
+stage collectives 120 $PY benchmarks/collectives.py --backend nccl --nproc 2 --min-bytes 1024 \
     --max-bytes 1073741824
-stage ddp_nvlink 110 $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30 \
-    --json "$OUT/ddp_nvlink.json"
-NCCL_P2P_DISABLE=1 stage ddp_nop2p 110 $PY benchmarks/ddp_step.py --device cuda --nproc 2 \
-    --steps 30 --p2p off --json "$OUT/ddp_nop2p.json"
-stage gpu_tests 180 $PY -m pytest -m gpu -q -ra tests/test_gpu.py tests/test_gpu_wrap_model.py
-TAIL=40 stage doctor 30 $PY -m ddpc.doctor
+stage ddp_nvlink 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30
+NCCL_P2P_DISABLE=1 stage ddp_nop2p 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 \
+    --steps 30 --p2p off
+TAIL=40 stage profile 120 $PY benchmarks/profile_step.py --nproc 2 --steps 3 --timeline
+TAIL=30 stage doctor 30 $PY -m ddpc.doctor

@@ -1248,19 +1248,6 @@ out:
 
 /* ---------------------------------------------------------------- transport choice */
 
-static void default_host_id(char *buf, size_t len) {
-    char host[256] = "?", boot[64] = "";
-    gethostname(host, sizeof host - 1);
-    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
-    if (fd != -1) {
-        ssize_t n = read(fd, boot, sizeof boot - 1);
-        close(fd);
-        boot[n > 0 ? n : 0] = '\0';
-        boot[strcspn(boot, "\n")] = '\0';
-    }
-    snprintf(buf, len, "%s/%s", host, boot);
-}
-
 /* Every rank publishes its host and the transport it asks for; all then decide the same way:
  * TCP if any rank asks for it or the hosts differ, else shared memory (falling back to TCP under
  * AUTO when some rank cannot map the segment). */
@@ -1270,7 +1257,7 @@ static ddpc_status choose_transport(CpuComm *c) {
     char host[256];
     int want_tcp = 0, want_shm = 0, differ = -1;
     if (g->host_id[0]) snprintf(host, sizeof host, "%s", g->host_id);
-    else default_host_id(host, sizeof host);
+    else ddpc_default_host_id(host, sizeof host);
     ddpc_group_key(g, key, sizeof key, "cpu/host/%d", g->rank);
     snprintf(val, sizeof val, "%d|%s", (int)g->want_transport, host);
     DDPC_CHECK(store_set_str(g, key, val));

@@ -15,6 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fastar.h"
 #include "group.h"
 
 /* ---------------------------------------------------------------- the part of NCCL's ABI we use */
@@ -53,7 +54,10 @@ typedef struct {
     unsigned int magic;
     unsigned int version;
     int blocking;
-    int cgaClusterSize;
+    int cgaClusterSize; /* this and the three below: 2.17 */
+    int minCTAs;
+    int maxCTAs;
+    const char *netName;
 } NcclConfig;
 #define NCCL_CONFIG_MAGIC 0xcafebeefu
 #define NCCL_CONFIG_UNDEF_INT INT_MIN
@@ -101,6 +105,7 @@ static pthread_mutex_t g_load_mu = PTHREAD_MUTEX_INITIALIZER;
 static NcclApi g_api;          /* complete once g_api_ready is set; never changes after */
 static int g_api_ready;        /* guarded by g_load_mu */
 static char g_version[32];     /* "2.28.3" */
+static int g_code;             /* the same as NCCL_VERSION_CODE: 22803 */
 static char g_path[PATH_MAX];  /* the file NCCL was loaded from */
 
 /* ---------------------------------------------------------------- loading */
@@ -278,6 +283,7 @@ ddpc_status ddpc_nccl_load(char *version, size_t version_len) {
         goto fail;
     }
     snprintf(g_version, sizeof g_version, "%d.%d.%d", major, minor, patch);
+    g_code = code;
     snprintf(g_path, sizeof g_path, "%s", where);
     g_api = api;
     g_api_ready = 1;
@@ -337,6 +343,8 @@ static ddpc_status nccl_fail(ncclResult_t r, const char *call, const char *file,
 /* How often the watchdog (or an initializing rank) asks the store whether a peer died or aborted:
  * each question is a round trip to rank 0, so not on every poll. */
 #define STORE_CHECK_MS 500
+/* How often the watchdog looks at the fast path's control block when no work is queued. */
+#define FAST_WATCH_MS 100
 /* A clean shutdown waits this long at most for NCCL to finalize before aborting instead. */
 
 typedef struct NcclWorkData {
@@ -362,7 +370,39 @@ typedef struct NcclImpl {
     int abort_requested;
     pthread_t watchdog;
     int watchdog_started;
+    struct FastAr *fast;     /* the one-shot path for small all-reduces, NULL when off */
 } NcclImpl;
+
+/* What a fast call was, for the message when it fails (the kernel reports only its epoch). */
+typedef struct FastCall {
+    uint64_t seq;
+    size_t count;
+    int dtype, redop;
+} FastCall;
+#define FAST_HISTORY 64
+
+/* The one-shot all-reduce (fastar.h) of one group: this rank's region, the peers' regions as
+ * mapped into this process, and the control block the kernels report to. */
+typedef struct FastAr {
+    char *region;                       /* this rank's, cudaMalloc'd */
+    char *peer[DDPC_FAST_MAX_RANKS];    /* IPC mappings of the others (NULL for this rank) */
+    DdpcFastCtl *ctl;                   /* pinned host memory, mapped; ctl_dev on the device */
+    DdpcFastCtl *ctl_dev;
+    size_t sub_bytes, max_bytes;
+    uint32_t epoch;                     /* calls issued (under g->mu) */
+    atomic_uint issued;                 /* the same, for the watchdog */
+    uintptr_t last_stream;              /* where the previous call ran */
+    int have_last;
+    cudaEvent_t chain;                  /* orders a call after the previous one on another stream */
+    int64_t stalled_since_ms;           /* watchdog: when done_epoch stopped trailing issued */
+    uint32_t stalled_epoch;
+    atomic_int reported;                /* a kernel failure was turned into the group's abort */
+    FastCall hist[FAST_HISTORY];
+} FastAr;
+
+static ddpc_status aborted_error(NcclImpl *im, const char *what);
+static void fast_free(NcclImpl *im);
+static void fast_watch(NcclImpl *im);
 
 static void sleep_us(unsigned us) {
     struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)us * 1000L};
@@ -420,6 +460,7 @@ static void request_abort(NcclImpl *im, ddpc_status st, const char *why) {
     char msg[2048];
     snprintf(msg, sizeof msg, "%s", why);
     ddpc_group_abort(im->g, st, msg);
+    if (im->fast) im->fast->ctl->abort = 1; /* fast kernels waiting for a peer give up */
     pthread_mutex_lock(&im->mu);
     im->abort_requested = 1;
     pthread_cond_signal(&im->cv);
@@ -667,15 +708,29 @@ static void *watchdog_main(void *arg) {
     unsigned us = POLL_MIN_US;
     for (;;) {
         pthread_mutex_lock(&im->mu);
-        while (!im->stop && !im->abort_requested && !im->head)
-            pthread_cond_wait(&im->cv, &im->mu);
-        int stop = im->stop, abort_req = im->abort_requested;
+        if (im->fast) {
+            /* Fast calls have no works: look at them every FAST_WATCH_MS even when idle. */
+            if (!im->stop && !im->abort_requested && !im->head) {
+                struct timespec ts;
+                clock_gettime(CLOCK_REALTIME, &ts);
+                ts.tv_nsec += FAST_WATCH_MS * 1000000L;
+                ts.tv_sec += ts.tv_nsec / 1000000000L;
+                ts.tv_nsec %= 1000000000L;
+                pthread_cond_timedwait(&im->cv, &im->mu, &ts);
+            }
+        } else {
+            while (!im->stop && !im->abort_requested && !im->head)
+                pthread_cond_wait(&im->cv, &im->mu);
+        }
+        int stop = im->stop, abort_req = im->abort_requested, busy = im->head != NULL;
         pthread_mutex_unlock(&im->mu);
         if (stop) break;
+        fast_watch(im);
         if (abort_req) {
             abort_all(im);
             continue;
         }
+        if (!busy) continue;
         if (reap(im)) {
             us = POLL_MIN_US;
             continue;
@@ -694,6 +749,7 @@ static void *watchdog_main(void *arg) {
 static void nccl_abort_hook(DdpcGroup *g) {
     NcclImpl *im = g->impl;
     if (!im) return; /* still initializing: nccl_init sees the abort itself */
+    if (im->fast) im->fast->ctl->abort = 1;
     pthread_mutex_lock(&im->mu);
     im->abort_requested = 1;
     pthread_cond_signal(&im->cv);
@@ -789,6 +845,7 @@ static ddpc_status exchange_id(DdpcGroup *g, int64_t deadline, ncclUniqueId *id)
 }
 
 static void impl_free(NcclImpl *im) {
+    fast_free(im);
     for (int i = 0; i < im->npool; i++) CUDA_LOG(cudaEventDestroy(im->pool[i]));
     free(im->pool);
     if (im->scratch) CUDA_LOG(cudaFree(im->scratch));
@@ -814,6 +871,7 @@ typedef struct InitJob {
     cudaError_t cuda;
     ncclComm_t comm;
     int nranks, rank, device;
+    int nccl_code, min_ctas, max_ctas; /* NCCL's version code; CTA bounds or UNDEF */
     ncclUniqueId id;
 } InitJob;
 
@@ -837,7 +895,15 @@ static void *init_main(void *arg) {
         NcclConfig config = {
             .size = sizeof config, .magic = NCCL_CONFIG_MAGIC, .version = NCCL_MIN_VERSION,
             .blocking = 1, .cgaClusterSize = NCCL_CONFIG_UNDEF_INT,
+            .minCTAs = NCCL_CONFIG_UNDEF_INT, .maxCTAs = NCCL_CONFIG_UNDEF_INT, .netName = NULL,
         };
+        if (j->nccl_code >= 21700) {
+            /* CTA bounds: fewer CTAs leave more SMs to the backward compute that the gradient
+             * all-reduces overlap with. */
+            config.version = 21700;
+            config.minCTAs = j->min_ctas;
+            config.maxCTAs = j->max_ctas;
+        }
         r = g_api.CommInitRankConfig(&comm, j->nranks, j->id, j->rank, &config);
     }
     pthread_mutex_lock(&j->mu);
@@ -856,14 +922,43 @@ static void *init_main(void *arg) {
     return NULL;
 }
 
+/* Reads a CTA bound for the communicator from the environment: unset leaves it to NCCL. */
+static ddpc_status env_ctas(const char *name, int *out) {
+    const char *v = getenv(name);
+    if (!v || !v[0]) return DDPC_OK;
+    char *end = NULL;
+    errno = 0;
+    long n = strtol(v, &end, 10);
+    if (errno || *end || n < 1 || n > 64)
+        return ddpc_error(DDPC_ERR_INVALID, "%s=%s is not a number of CTAs from 1 to 64: set it "
+                          "to one (fewer CTAs leave more SMs to compute) or unset it", name, v);
+    if (g_code < 21700)
+        return ddpc_error(DDPC_ERR_INVALID, "%s needs NCCL 2.17 or newer; this one is %s: unset "
+                          "it or install a newer NCCL", name, g_version);
+    *out = (int)n;
+    return DDPC_OK;
+}
+
 static ddpc_status init_comm(DdpcGroup *g, const ncclUniqueId *id, int64_t deadline,
                              ncclComm_t *out) {
     *out = NULL;
     if (setenv("NCCL_RUNTIME_CONNECT", "0", 0) != 0)
         return ddpc_error(DDPC_ERR_SYSTEM, "setenv(NCCL_RUNTIME_CONNECT) failed: %s",
                           strerror(errno));
+    int min_ctas = NCCL_CONFIG_UNDEF_INT, max_ctas = NCCL_CONFIG_UNDEF_INT;
+    DDPC_CHECK(env_ctas("DDPC_NCCL_MIN_CTAS", &min_ctas));
+    DDPC_CHECK(env_ctas("DDPC_NCCL_MAX_CTAS", &max_ctas));
+    /* NCCL takes the bounds as a pair: the one left unset gets NCCL's own limit. */
+    if (min_ctas != NCCL_CONFIG_UNDEF_INT && max_ctas == NCCL_CONFIG_UNDEF_INT) max_ctas = 64;
+    if (max_ctas != NCCL_CONFIG_UNDEF_INT && min_ctas == NCCL_CONFIG_UNDEF_INT) min_ctas = 1;
+    if (min_ctas > max_ctas)
+        return ddpc_error(DDPC_ERR_INVALID, "DDPC_NCCL_MIN_CTAS=%d is above DDPC_NCCL_MAX_CTAS=%d: "
+                          "make the minimum at most the maximum", min_ctas, max_ctas);
     InitJob *j = calloc(1, sizeof *j);
     if (!j) return ddpc_error(DDPC_ERR_NOMEM, "out of host memory creating an NCCL communicator");
+    j->nccl_code = g_code;
+    j->min_ctas = min_ctas;
+    j->max_ctas = max_ctas;
     pthread_mutex_init(&j->mu, NULL);
     j->nranks = g->world;
     j->rank = g->rank;
@@ -917,6 +1012,313 @@ static ddpc_status init_comm(DdpcGroup *g, const ncclUniqueId *id, int64_t deadl
     return DDPC_OK;
 }
 
+/* ---------------------------------------------------------------- the one-shot all-reduce */
+
+/* Turns a failure the kernels reported into a message and status; 0 when there is none to
+ * report (no failure, or only kernels that gave up because the group was already aborted). */
+static int fast_failure(NcclImpl *im, char *msg, size_t len, ddpc_status *st) {
+    FastAr *f = im->fast;
+    DdpcGroup *g = im->g;
+    uint32_t code = f->ctl->err_code;
+    if (code == DDPC_FAST_OK || code == DDPC_FAST_ABORTED) return 0;
+    __sync_synchronize(); /* the details were written before the code was */
+    uint32_t epoch = f->ctl->err_epoch;
+    int peer = f->ctl->err_peer;
+    const FastCall *c = &f->hist[epoch % FAST_HISTORY];
+    char what[160];
+    snprintf(what, sizeof what, "all_reduce #%llu (%zu x %s, %s)", (unsigned long long)c->seq,
+             c->count, ddpc_dtype_name((ddpc_dtype)c->dtype), ddpc_redop_name((ddpc_redop)c->redop));
+    if (code == DDPC_FAST_MISMATCH) {
+        *st = DDPC_ERR_MISMATCH;
+        snprintf(msg, len, "%s on rank %d: rank %d passed %u elements (low 32 bits) to the same "
+                 "collective. Every rank must pass tensors with the same number of elements; the "
+                 "process group was aborted and can no longer be used",
+                 what, g->rank, peer, (unsigned)f->ctl->err_peer_count);
+        return 1;
+    }
+    char gone[1024] = "";
+    describe_dead_peers(g, gone, sizeof gone);
+    *st = gone[0] ? DDPC_ERR_PEER : DDPC_ERR_TIMEOUT;
+    snprintf(msg, len, "%s did not finish within %.1f s on rank %d (nccl, cuda:%d): rank %d never "
+             "arrived%s. The process group was aborted and can no longer be used; make every rank "
+             "call the same collectives in the same order, or raise the timeout",
+             what, (double)g->timeout_ms / 1000.0, g->rank, im->device, peer, gone);
+    return 1;
+}
+
+/* Called by the watchdog and by each fast call: a kernel's failure aborts the group, once. */
+static ddpc_status fast_check(NcclImpl *im) {
+    char msg[2048];
+    ddpc_status st = DDPC_OK;
+    if (!fast_failure(im, msg, sizeof msg, &st)) return DDPC_OK;
+    if (atomic_exchange(&im->fast->reported, 1) == 0) request_abort(im, st, msg);
+    return ddpc_error(st, "%s", msg);
+}
+
+/* Waiting kernels give up at once (the host memory is mapped: they poll it). */
+static void fast_stop_kernels(NcclImpl *im) {
+    if (im->fast && im->fast->ctl) im->fast->ctl->abort = 1;
+}
+
+/* The watchdog's look at the fast path: a reported failure, or calls that have not finished for
+ * a while, in which case the store says whether a peer died. */
+static void fast_watch(NcclImpl *im) {
+    FastAr *f = im->fast;
+    if (!f || atomic_load(&im->g->aborted)) return;
+    if (fast_check(im) != DDPC_OK) return;
+    uint32_t issued = atomic_load(&f->issued), done = f->ctl->done_epoch;
+    int64_t now = ddpc_now_ms();
+    if (issued == done) {
+        f->stalled_since_ms = 0;
+        return;
+    }
+    if (f->stalled_since_ms == 0 || f->stalled_epoch != done) {
+        f->stalled_since_ms = now;
+        f->stalled_epoch = done;
+        return;
+    }
+    if (now - f->stalled_since_ms < STORE_CHECK_MS) return;
+    f->stalled_since_ms = now;
+    if (ddpc_group_check_abort(im->g) != DDPC_OK) return; /* the abort hook stops the kernels */
+    char gone[1024] = "";
+    if (!describe_dead_peers(im->g, gone, sizeof gone)) return;
+    const FastCall *c = &f->hist[(done + 1) % FAST_HISTORY];
+    char msg[2048];
+    snprintf(msg, sizeof msg,
+             "all_reduce #%llu (%zu x %s, %s) cannot finish on rank %d (nccl, cuda:%d)%s. The "
+             "process group was aborted and can no longer be used; look at that rank's output for "
+             "why it stopped",
+             (unsigned long long)c->seq, c->count, ddpc_dtype_name((ddpc_dtype)c->dtype),
+             ddpc_redop_name((ddpc_redop)c->redop), im->g->rank, im->device, gone);
+    atomic_store(&f->reported, 1);
+    request_abort(im, DDPC_ERR_PEER, msg);
+}
+
+static void fast_free(NcclImpl *im) {
+    FastAr *f = im->fast;
+    if (!f) return;
+    im->g->fast_max_bytes = 0;
+    for (int r = 0; r < DDPC_FAST_MAX_RANKS; r++)
+        if (f->peer[r]) CUDA_LOG(cudaIpcCloseMemHandle(f->peer[r]));
+    if (f->region) CUDA_LOG(cudaFree(f->region));
+    if (f->ctl) CUDA_LOG(cudaFreeHost(f->ctl));
+    if (f->chain) CUDA_LOG(cudaEventDestroy(f->chain));
+    free(f);
+    im->fast = NULL;
+}
+
+/* Waits for a store key every rank sets during initialization. */
+static ddpc_status fast_get(DdpcGroup *g, const char *key, int64_t deadline, void **val,
+                            size_t *len) {
+    int64_t next_store_check = 0;
+    for (;;) {
+        int64_t slice = DDPC_MAX(ddpc_slice(deadline, DDPC_SLICE_MS), 1);
+        ddpc_status st = ddpc_store_get(g->store, key, slice, val, len);
+        if (st == DDPC_OK) return DDPC_OK;
+        if (st != DDPC_ERR_TIMEOUT && st != DDPC_ERR_NOTFOUND) return st;
+        DDPC_CHECK(init_check(g, deadline, &next_store_check,
+                              "setting up the fast all-reduce with its peers"));
+    }
+}
+
+typedef struct {
+    int32_t ok;
+    char host[256];
+    cudaIpcMemHandle_t handle;
+} FastVote;
+
+/* Every rank votes, so all take the same path: on only when all ranks share this host, may use
+ * P2P (NCCL_P2P_DISABLE unset) and could map each other's regions. A "no" is not an error: the
+ * small all-reduces then go through NCCL like the rest. Store failures are errors. */
+static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
+    DdpcGroup *g = im->g;
+    char key[256], why[256] = "";
+    const char *p2p = getenv("NCCL_P2P_DISABLE"), *env = getenv("DDPC_FAST_ALLREDUCE");
+    FastVote mine;
+    memset(&mine, 0, sizeof mine);
+    ddpc_default_host_id(mine.host, sizeof mine.host);
+    FastAr *f = calloc(1, sizeof *f);
+    if (!f) return ddpc_error(DDPC_ERR_NOMEM, "out of host memory setting up the fast all-reduce");
+    im->fast = f;
+    if (env && !strcmp(env, "0"))
+        snprintf(why, sizeof why, "DDPC_FAST_ALLREDUCE=0");
+    else if (p2p && p2p[0] && strcmp(p2p, "0"))
+        snprintf(why, sizeof why, "NCCL_P2P_DISABLE=%s", p2p);
+    else if (g->world < 2 || g->world > DDPC_FAST_MAX_RANKS)
+        snprintf(why, sizeof why, "%d ranks (it takes 2 to %d)", g->world, DDPC_FAST_MAX_RANKS);
+    if (!why[0]) {
+        cudaError_t e = cudaMalloc((void **)&f->region, DDPC_FAST_REGION_BYTES);
+        if (e == cudaSuccess) e = cudaMemset(f->region, 0, DDPC_FAST_REGION_BYTES);
+        if (e == cudaSuccess) e = cudaIpcGetMemHandle(&mine.handle, f->region);
+        if (e == cudaSuccess)
+            e = cudaHostAlloc((void **)&f->ctl, sizeof *f->ctl, cudaHostAllocMapped);
+        if (e == cudaSuccess) {
+            memset((void *)f->ctl, 0, sizeof *f->ctl);
+            e = cudaHostGetDevicePointer((void **)&f->ctl_dev, (void *)f->ctl, 0);
+        }
+        if (e == cudaSuccess) e = cudaEventCreateWithFlags(&f->chain, cudaEventDisableTiming);
+        if (e == cudaSuccess) e = cudaDeviceSynchronize(); /* the zeroed flags are in place */
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            snprintf(why, sizeof why, "setting up its memory failed: %s", cudaGetErrorString(e));
+        }
+    }
+    mine.ok = !why[0];
+    ddpc_group_key(g, key, sizeof key, "fast/vote/%d", g->rank);
+    DDPC_CHECK(ddpc_store_set(g->store, key, &mine, sizeof mine));
+    int all_ok = 1;
+    for (int r = 0; r < g->world; r++) {
+        void *val = NULL;
+        size_t len = 0;
+        ddpc_group_key(g, key, sizeof key, "fast/vote/%d", r);
+        DDPC_CHECK(fast_get(g, key, deadline, &val, &len));
+        FastVote v;
+        if (len != sizeof v) {
+            free(val);
+            return ddpc_error(DDPC_ERR_PROTOCOL, "%s holds %zu bytes, not %zu: another job "
+                              "shares this store prefix, or the ranks run different ddpc builds",
+                              key, len, sizeof v);
+        }
+        memcpy(&v, val, sizeof v);
+        free(val);
+        v.host[sizeof v.host - 1] = '\0';
+        if (!v.ok) {
+            if (all_ok && !why[0]) snprintf(why, sizeof why, "rank %d cannot use it", r);
+            all_ok = 0;
+        } else if (strcmp(v.host, mine.host)) {
+            if (all_ok && !why[0]) snprintf(why, sizeof why, "rank %d is on another host", r);
+            all_ok = 0;
+        } else if (all_ok && r != g->rank) {
+            cudaError_t e = cudaIpcOpenMemHandle((void **)&f->peer[r], v.handle,
+                                                 cudaIpcMemLazyEnablePeerAccess);
+            if (e != cudaSuccess) {
+                (void)cudaGetLastError();
+                f->peer[r] = NULL;
+                snprintf(why, sizeof why, "mapping rank %d's memory failed: %s", r,
+                         cudaGetErrorString(e));
+                all_ok = 0;
+            }
+        }
+    }
+    /* Second vote: did every rank map every other one? */
+    char yes = all_ok ? '1' : '0';
+    ddpc_group_key(g, key, sizeof key, "fast/mapped/%d", g->rank);
+    DDPC_CHECK(ddpc_store_set(g->store, key, &yes, 1));
+    int enabled = 1;
+    for (int r = 0; r < g->world; r++) {
+        void *val = NULL;
+        size_t len = 0;
+        ddpc_group_key(g, key, sizeof key, "fast/mapped/%d", r);
+        DDPC_CHECK(fast_get(g, key, deadline, &val, &len));
+        int ok = len == 1 && ((char *)val)[0] == '1';
+        free(val);
+        if (!ok) {
+            if (enabled && !why[0]) snprintf(why, sizeof why, "rank %d could not map its peers", r);
+            enabled = 0;
+        }
+    }
+    if (!enabled) {
+        DDPC_INFO("NCCL", "rank %d: small all-reduces go through NCCL (no one-shot path: %s)",
+                  g->rank, why);
+        fast_free(im);
+        return DDPC_OK;
+    }
+    f->sub_bytes = DDPC_FAST_SLOT_BYTES / (size_t)g->world / 16 * 16;
+    f->max_bytes = DDPC_MIN((size_t)DDPC_FAST_MAX_BYTES, f->sub_bytes);
+    g->fast_max_bytes = f->max_bytes;
+    DDPC_INFO("NCCL", "rank %d: one-shot all-reduce over CUDA IPC for messages up to %zu bytes",
+              g->rank, f->max_bytes);
+    return DDPC_OK;
+}
+
+/* Lets every kernel of this rank finish, then waits (briefly) until the peers say the same, so
+ * no peer still writes into this rank's region when it is freed. */
+static void fast_teardown(NcclImpl *im) {
+    FastAr *f = im->fast;
+    if (!f) return;
+    DdpcGroup *g = im->g;
+    int64_t hard = ddpc_deadline(g->timeout_ms);
+    while (f->ctl->done_epoch != f->epoch && !atomic_load(&g->aborted) && ddpc_now_ms() < hard)
+        sleep_us(POLL_MAX_US);
+    if (f->ctl->done_epoch != f->epoch) fast_stop_kernels(im);
+    CUDA_LOG(cudaDeviceSynchronize());
+    char key[256];
+    ddpc_group_key(g, key, sizeof key, "fast/bye");
+    int64_t total = 0;
+    if (!atomic_load(&g->aborted) && ddpc_store_add(g->store, key, 1, &total) == DDPC_OK) {
+        int64_t until = ddpc_now_ms() + DDPC_MIN(g->timeout_ms, 10000);
+        while (total < g->world && ddpc_now_ms() < until) {
+            sleep_us(POLL_MAX_US);
+            if (ddpc_store_add(g->store, key, 0, &total) != DDPC_OK) break;
+        }
+    }
+    fast_free(im);
+}
+
+/* The synchronous all-reduce of a small device buffer on the caller's stream, without a work:
+ * *ran = 0 when it does not qualify (the caller posts it to NCCL instead). */
+static ddpc_status nccl_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *a, uint64_t seq,
+                                       int *ran) {
+    NcclImpl *im = g->impl;
+    *ran = 0;
+    FastAr *f = im ? im->fast : NULL;
+    size_t esize = ddpc_dtype_size(a->dtype);
+    if (!f || a->device != im->device || a->count == 0 || !ddpc_fast_supported(a->dtype, a->redop) ||
+        a->count > f->max_bytes / (esize ? esize : 1))
+        return DDPC_OK;
+    *ran = 1;
+    if (atomic_load(&g->aborted)) return aborted_error(im, "all_reduce");
+    DDPC_CHECK(fast_check(im));
+    int prev = -1;
+    DDPC_CUDACHECK(cudaGetDevice(&prev));
+    if (prev != im->device) DDPC_CUDACHECK(cudaSetDevice(im->device));
+    ddpc_status st = DDPC_OK;
+    if (f->have_last && f->last_stream != a->stream) {
+        /* The previous call ran on another stream: this one must not overtake it (the slots and
+         * flags assume the calls of a rank run one after the other). */
+        DDPC_CUDACHECK_GOTO(cudaEventRecord(f->chain, (cudaStream_t)f->last_stream), st, out);
+        DDPC_CUDACHECK_GOTO(cudaStreamWaitEvent((cudaStream_t)a->stream, f->chain, 0), st, out);
+    }
+    DdpcFastArgs fa;
+    memset(&fa, 0, sizeof fa);
+    for (int r = 0; r < g->world; r++) fa.base[r] = r == g->rank ? f->region : f->peer[r];
+    fa.in = a->recv;
+    fa.out = a->recv;
+    fa.count = a->count;
+    fa.sub_bytes = f->sub_bytes;
+    fa.epoch = f->epoch + 1;
+    fa.rank = g->rank;
+    fa.world = g->world;
+    fa.dtype = a->dtype;
+    fa.redop = a->redop;
+    fa.ctl = f->ctl_dev;
+    fa.timeout_ns = (uint64_t)g->timeout_ms * 1000000ull;
+    FastCall *c = &f->hist[fa.epoch % FAST_HISTORY];
+    c->seq = seq;
+    c->count = a->count;
+    c->dtype = a->dtype;
+    c->redop = a->redop;
+    st = ddpc_fast_launch(&fa, a->stream);
+    if (st != DDPC_OK) {
+        /* The peers may already be waiting for this call: they must learn it will not come. */
+        ddpc_error_prefix(st, "all_reduce #%llu on rank %d: ", (unsigned long long)seq, g->rank);
+        request_abort(im, st, ddpc_last_error());
+        goto out;
+    }
+    f->epoch = fa.epoch;
+    atomic_store(&f->issued, fa.epoch);
+    f->last_stream = a->stream;
+    f->have_last = 1;
+out:
+    if (prev != im->device) {
+        cudaError_t e = cudaSetDevice(prev);
+        if (e != cudaSuccess && st == DDPC_OK)
+            st = ddpc_error(DDPC_ERR_CUDA, "restoring the current device %d failed: %s", prev,
+                            cudaGetErrorString(e));
+    }
+    return st;
+}
+
 static ddpc_status nccl_init(DdpcGroup *g) {
     ddpc_status st = DDPC_OK;
     ncclResult_t r = ncclSuccess;
@@ -956,6 +1358,7 @@ static ddpc_status nccl_init(DdpcGroup *g) {
     ncclUniqueId id;
     DDPC_CHECK_GOTO(exchange_id(g, deadline, &id), st, fail);
     DDPC_CHECK_GOTO(init_comm(g, &id, deadline, &im->comm), st, fail);
+    DDPC_CHECK_GOTO(fast_setup(im, deadline), st, fail);
 
     int rc = pthread_create(&im->watchdog, NULL, watchdog_main, im);
     if (rc != 0) {
@@ -1180,6 +1583,7 @@ static void nccl_destroy(DdpcGroup *g) {
     int device = im->device, prev = -1;
     CUDA_LOG(cudaGetDevice(&prev));
     if (prev != device) CUDA_LOG(cudaSetDevice(device));
+    fast_teardown(im);
     pthread_mutex_lock(&im->mu);
     DdpcWork *list = im->head;
     im->head = im->tail = NULL;
@@ -1210,6 +1614,7 @@ const DdpcBackendOps ddpc_backend_nccl = {
     .init = nccl_init,
     .post = nccl_post,
     .wait_stream = nccl_wait_stream,
+    .all_reduce_now = nccl_all_reduce_now,
     .abort = nccl_abort_hook,
     .destroy = nccl_destroy,
     .work_free = nccl_work_free,

@@ -1,4 +1,5 @@
 /* common.c: thread-local error messages, the interrupt hook, clocks and DDPC_DEBUG logging. */
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -112,4 +113,17 @@ void ddpc_log(int level, const char *subsys, const char *fmt, ...) {
     va_end(ap);
     fprintf(stderr, "%s:%d:%ld ddpc %s %s\n", host, (int)getpid(), (long)syscall(SYS_gettid),
             subsys, line);
+}
+
+void ddpc_default_host_id(char *buf, size_t len) {
+    char host[256] = "?", boot[64] = "";
+    gethostname(host, sizeof host - 1);
+    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+    if (fd != -1) {
+        ssize_t n = read(fd, boot, sizeof boot - 1);
+        close(fd);
+        boot[n > 0 ? n : 0] = '\0';
+        boot[strcspn(boot, "\n")] = '\0';
+    }
+    snprintf(buf, len, "%s/%s", host, boot);
 }

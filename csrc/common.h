@@ -67,6 +67,9 @@
 #define DDPC_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define DDPC_MAX(a, b) ((a) > (b) ? (a) : (b))
 
+/* "hostname/boot id": equal for two processes exactly when they share a machine (and a boot). */
+void ddpc_default_host_id(char *buf, size_t len);
+
 /* SHA-256 and HMAC-SHA256 (store.c): the store's challenge-response authentication. */
 void ddpc_sha256(const void *data, size_t len, uint8_t out[32]);
 void ddpc_hmac_sha256(const void *key, size_t key_len, const void *msg, size_t msg_len,

@@ -217,6 +217,12 @@ void ddpc_group_abort(DdpcGroup *g, ddpc_status st, const char *why);
 /* Validates args, assigns the next sequence number, and queues the collective. *out is a new
  * reference; release it with ddpc_work_release. Works complete in posting order. */
 ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **out);
+/* A synchronous all-reduce queued on args->stream without a work, when the backend has a path
+ * for it (nccl: small messages between the GPUs of one host). *ran = 0: nothing was done, post
+ * it instead. The next sequence number is used only when it ran. */
+ddpc_status ddpc_group_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *args, int *ran);
+/* The largest message ddpc_group_all_reduce_now takes, in bytes (0: it takes none). */
+size_t ddpc_group_fast_max_bytes(const DdpcGroup *g);
 /* Blocks (interruptibly, in slices) until the work is done or its deadline passes. For device
  * work this waits for the host side only when host is set; otherwise see ddpc_work_wait_stream. */
 ddpc_status ddpc_work_wait(DdpcWork *w);

@@ -259,6 +259,22 @@ ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **o
     return DDPC_OK;
 }
 
+size_t ddpc_group_fast_max_bytes(const DdpcGroup *g) { return g->fast_max_bytes; }
+
+ddpc_status ddpc_group_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *args, int *ran) {
+    *ran = 0;
+    if (!g->ops->all_reduce_now || args->op != DDPC_COLL_ALLREDUCE) return DDPC_OK;
+    DDPC_CHECK(check_args(g, args));
+    if (atomic_load(&g->aborted) == 1)
+        return ddpc_error(g->abort_status, "the process group was aborted earlier: %s",
+                          g->abort_msg);
+    pthread_mutex_lock(&g->mu);
+    ddpc_status st = g->ops->all_reduce_now(g, args, g->next_seq, ran);
+    if (*ran) g->next_seq++;
+    pthread_mutex_unlock(&g->mu);
+    return st;
+}
+
 void ddpc_work_complete(DdpcWork *w, ddpc_status st) {
     pthread_mutex_lock(&w->mu);
     w->status = st;

@@ -32,6 +32,9 @@ typedef struct DdpcBackendOps {
     ddpc_status (*post)(DdpcGroup *g, DdpcWork *w);
     /* Optional: device-side ordering of `stream` after w (nccl). NULL: host wait. */
     ddpc_status (*wait_stream)(DdpcWork *w, uintptr_t stream);
+    /* Optional: a synchronous all-reduce queued on the caller's stream without a work (nccl's
+     * one-shot path for small messages). *ran = 0: not taken, post it instead. */
+    ddpc_status (*all_reduce_now)(DdpcGroup *g, const DdpcCollArgs *a, uint64_t seq, int *ran);
     /* Optional: called from ddpc_group_abort, e.g. to wake waiters or abort a communicator. */
     void (*abort)(DdpcGroup *g);
     /* Stops threads, frees g->impl. Outstanding works are completed with an error first. */
@@ -50,6 +53,7 @@ struct DdpcGroup {
     ddpc_transport want_transport;
     int cuda_device;
     char transport[16];     /* set by the backend's init: "shm", "tcp", "nccl" */
+    size_t fast_max_bytes;  /* set by the backend's init: all_reduce_now's limit (0: none) */
     const DdpcBackendOps *ops;
     void *impl;
     pthread_mutex_t mu;     /* guards next_seq */

@@ -22,6 +22,8 @@ typedef struct {
     PyTypeObject *WorkType;
     PyTypeObject *ReducerType;
     PyTypeObject *SamplerType;
+    PyTypeObject *GradHooksType;
+    PyTypeObject *GradHookType;
 } ModState;
 
 static PyModuleDef ddpc_module;
@@ -536,6 +538,38 @@ static PyObject *Group_post(GroupObject *self, PyObject *args) {
     return (PyObject *)wo;
 }
 
+/* all_reduce_now(ptr, count, dtype, redop, device, stream) -> bool: a synchronous all-reduce
+ * queued on the caller's stream without a Work, when the backend has such a path for it (nccl:
+ * small messages between the GPUs of one host); False means nothing was done: post it. */
+static PyObject *Group_all_reduce_now(GroupObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 6) {
+        PyErr_Format(PyExc_TypeError, "all_reduce_now takes 6 arguments, got %zd", n);
+        return NULL;
+    }
+    unsigned long long ptr = PyLong_AsUnsignedLongLong(args[0]);
+    unsigned long long count = PyLong_AsUnsignedLongLong(args[1]);
+    long dtype = PyLong_AsLong(args[2]), redop = PyLong_AsLong(args[3]);
+    long device = PyLong_AsLong(args[4]);
+    unsigned long long stream = PyLong_AsUnsignedLongLong(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    if (!group_ready(self)) return NULL;
+    if (dtype < 0 || dtype >= DDPC_NUM_DTYPES || redop < 0 || redop >= DDPC_NUM_REDOPS) {
+        PyErr_Format(PyExc_ValueError, "all_reduce_now: dtype %ld / redop %ld out of range",
+                     dtype, redop);
+        return NULL;
+    }
+    DdpcCollArgs a = {
+        .op = DDPC_COLL_ALLREDUCE, .send = NULL, .recv = (void *)(uintptr_t)ptr,
+        .count = (size_t)count, .dtype = (ddpc_dtype)dtype, .redop = (ddpc_redop)redop,
+        .root = 0, .device = (int)device, .stream = (uintptr_t)stream,
+    };
+    int ran = 0;
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_group_all_reduce_now(self->g, &a, &ran));
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    return PyBool_FromLong(ran);
+}
+
 static PyObject *Group_abort(GroupObject *self, PyObject *args) {
     const char *why;
     if (!PyArg_ParseTuple(args, "s", &why)) return NULL;
@@ -567,18 +601,28 @@ static PyObject *Group_get_timeout(GroupObject *self, void *c) {
     return group_ready(self) ? PyFloat_FromDouble(ddpc_group_timeout_ms(self->g) / 1000.0) : NULL;
 }
 
+static PyObject *Group_get_fast_max_bytes(GroupObject *self, void *c) {
+    (void)c;
+    return group_ready(self) ? PyLong_FromSize_t(ddpc_group_fast_max_bytes(self->g)) : NULL;
+}
+
 static PyGetSetDef Group_getset[] = {
     {"rank", (getter)Group_get_rank, NULL, NULL, NULL},
     {"world_size", (getter)Group_get_size, NULL, NULL, NULL},
     {"backend", (getter)Group_get_backend, NULL, NULL, NULL},
     {"transport", (getter)Group_get_transport, NULL, NULL, NULL},
     {"timeout", (getter)Group_get_timeout, NULL, "seconds", NULL},
+    {"fast_max_bytes", (getter)Group_get_fast_max_bytes, NULL,
+     "largest all_reduce that takes the one-shot path (bytes; 0: none)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyMethodDef Group_methods[] = {
     {"post", (PyCFunction)Group_post, METH_VARARGS,
      "post(op, send_ptr, recv_ptr, count, dtype, redop, root, device, stream, keep) -> Work"},
+    {"all_reduce_now", (PyCFunction)(void (*)(void))Group_all_reduce_now, METH_FASTCALL,
+     "all_reduce_now(ptr, count, dtype, redop, device, stream) -> bool: a synchronous all-reduce "
+     "on the caller's stream without a Work when the backend has a path for it; False: post it"},
     {"abort", (PyCFunction)Group_abort, METH_VARARGS,
      "abort(why): fail this and every later collective on every rank with this message"},
     {"destroy", (PyCFunction)Group_destroy, METH_NOARGS, "free the group"},
@@ -1071,6 +1115,273 @@ static PyType_Spec Reducer_spec = {
 
 /* END REDUCER BINDINGS */
 
+/* ---------------------------------------------------------------- gradient hooks */
+
+/* The per-parameter post-accumulate-grad hooks of a wrapped model run once per parameter per
+ * step, on the host path that keeps the GPU fed: the common case (the gradient already lies in
+ * its bucket slot during a synced backward) is handled here without running Python; anything
+ * else goes to the Python `slow(param, index)` callable. GradHooks is the state the wrapper
+ * keeps current (reducer, its views list, the stream, whether the fast path applies now);
+ * GradHook(hooks, i) is the callable registered on parameter i. */
+typedef struct {
+    PyObject_HEAD
+    ReducerObject *reducer; /* None until set */
+    PyObject *views;        /* list: views[i] is parameter i's slot (or None) */
+    PyObject *names;        /* list of parameter names, for messages */
+    PyObject *slow;         /* callable(param, index) */
+    unsigned long long stream;
+    char fast;              /* a synced backward is running and its end is queued */
+} GradHooksObject;
+
+typedef struct {
+    PyObject_HEAD
+    GradHooksObject *hooks;
+    Py_ssize_t index;
+    PyObject *index_obj;
+} GradHookObject;
+
+static PyObject *g_str_grad; /* interned "grad" */
+
+static int GradHooks_traverse(GradHooksObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->reducer);
+    Py_VISIT(self->views);
+    Py_VISIT(self->names);
+    Py_VISIT(self->slow);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int GradHooks_clear(GradHooksObject *self) {
+    Py_CLEAR(self->reducer);
+    Py_CLEAR(self->views);
+    Py_CLEAR(self->names);
+    Py_CLEAR(self->slow);
+    return 0;
+}
+
+static void GradHooks_dealloc(GradHooksObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    GradHooks_clear(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *GradHooks_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
+    PyObject *slow, *names;
+    static char *kwlist[] = {"slow", "names", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!", kwlist, &slow, &PyList_Type, &names))
+        return NULL;
+    if (!PyCallable_Check(slow)) {
+        PyErr_SetString(PyExc_TypeError, "GradHooks: slow must be callable");
+        return NULL;
+    }
+    GradHooksObject *self = (GradHooksObject *)tp->tp_alloc(tp, 0);
+    if (!self) return NULL;
+    Py_INCREF(slow);
+    self->slow = slow;
+    Py_INCREF(names);
+    self->names = names;
+    return (PyObject *)self;
+}
+
+static PyObject *GradHooks_get_reducer(GradHooksObject *self, void *c) {
+    (void)c;
+    PyObject *r = self->reducer ? (PyObject *)self->reducer : Py_None;
+    Py_INCREF(r);
+    return r;
+}
+
+static int GradHooks_set_reducer(GradHooksObject *self, PyObject *v, void *c) {
+    (void)c;
+    ModState *s = state_of_type(Py_TYPE(self));
+    if (v && v != Py_None && (!s || !PyObject_TypeCheck(v, s->ReducerType))) {
+        PyErr_SetString(PyExc_TypeError, "GradHooks.reducer must be a ddpc._C.Reducer or None");
+        return -1;
+    }
+    PyObject *old = (PyObject *)self->reducer;
+    self->reducer = v && v != Py_None ? (ReducerObject *)v : NULL;
+    Py_XINCREF(self->reducer);
+    Py_XDECREF(old);
+    return 0;
+}
+
+static PyObject *GradHooks_get_views(GradHooksObject *self, void *c) {
+    (void)c;
+    PyObject *v = self->views ? self->views : Py_None;
+    Py_INCREF(v);
+    return v;
+}
+
+static int GradHooks_set_views(GradHooksObject *self, PyObject *v, void *c) {
+    (void)c;
+    if (!v || !PyList_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "GradHooks.views must be a list");
+        return -1;
+    }
+    Py_INCREF(v);
+    Py_XSETREF(self->views, v);
+    return 0;
+}
+
+static PyGetSetDef GradHooks_getset[] = {
+    {"reducer", (getter)GradHooks_get_reducer, (setter)GradHooks_set_reducer, NULL, NULL},
+    {"views", (getter)GradHooks_get_views, (setter)GradHooks_set_views, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef GradHooks_members[] = {
+    {"stream", T_ULONGLONG, offsetof(GradHooksObject, stream), 0,
+     "the stream backward kernels run on (the forward's), 0 on the host"},
+    {"fast", T_BOOL, offsetof(GradHooksObject, fast), 0,
+     "True while a synced backward runs with its end-of-backward reduction queued"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot GradHooks_slots[] = {
+    {Py_tp_new, GradHooks_new},
+    {Py_tp_dealloc, GradHooks_dealloc},
+    {Py_tp_traverse, GradHooks_traverse},
+    {Py_tp_clear, GradHooks_clear},
+    {Py_tp_getset, GradHooks_getset},
+    {Py_tp_members, GradHooks_members},
+    {Py_tp_doc, "GradHooks(slow, names): shared state of a wrapped model's gradient hooks"},
+    {0, NULL},
+};
+
+static PyType_Spec GradHooks_spec = {
+    "ddpc._C.GradHooks", sizeof(GradHooksObject), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    GradHooks_slots,
+};
+
+static int GradHook_traverse(GradHookObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->hooks);
+    Py_VISIT(self->index_obj);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int GradHook_clear(GradHookObject *self) {
+    Py_CLEAR(self->hooks);
+    Py_CLEAR(self->index_obj);
+    return 0;
+}
+
+static void GradHook_dealloc(GradHookObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    GradHook_clear(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *GradHook_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
+    PyObject *hooks;
+    Py_ssize_t index;
+    static char *kwlist[] = {"hooks", "index", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "On", kwlist, &hooks, &index)) return NULL;
+    ModState *s = state_of_type(tp);
+    if (!s || !PyObject_TypeCheck(hooks, s->GradHooksType)) {
+        PyErr_SetString(PyExc_TypeError, "GradHook: hooks must be a ddpc._C.GradHooks");
+        return NULL;
+    }
+    if (index < 0) {
+        PyErr_SetString(PyExc_ValueError, "GradHook: index must be >= 0");
+        return NULL;
+    }
+    GradHookObject *self = (GradHookObject *)tp->tp_alloc(tp, 0);
+    if (!self) return NULL;
+    self->index_obj = PyLong_FromSsize_t(index);
+    if (!self->index_obj) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    Py_INCREF(hooks);
+    self->hooks = (GradHooksObject *)hooks;
+    self->index = index;
+    return (PyObject *)self;
+}
+
+/* Rewrites a ValueError from the reducer so it names the parameter. */
+static void name_parameter_error(GradHooksObject *h, Py_ssize_t i) {
+    if (!PyErr_ExceptionMatches(PyExc_ValueError) || !h->names ||
+        i >= PyList_GET_SIZE(h->names))
+        return;
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *value = PyErr_GetRaisedException();
+    PyErr_Format(PyExc_ValueError, "parameter '%U': %S", PyList_GET_ITEM(h->names, i), value);
+    Py_XDECREF(value);
+#else
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    PyErr_Format(PyExc_ValueError, "parameter '%U': %S", PyList_GET_ITEM(h->names, i), value);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+#endif
+}
+
+static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *kw) {
+    if (kw && PyDict_GET_SIZE(kw)) {
+        PyErr_SetString(PyExc_TypeError, "a gradient hook takes no keyword arguments");
+        return NULL;
+    }
+    if (PyTuple_GET_SIZE(args) != 1) {
+        PyErr_Format(PyExc_TypeError, "a gradient hook takes 1 argument (the parameter), got %zd",
+                     PyTuple_GET_SIZE(args));
+        return NULL;
+    }
+    PyObject *p = PyTuple_GET_ITEM(args, 0);
+    GradHooksObject *h = self->hooks;
+    Py_ssize_t i = self->index;
+    if (h->fast && h->reducer && h->views && i < PyList_GET_SIZE(h->views)) {
+        PyObject *grad = PyObject_GetAttr(p, g_str_grad);
+        if (!grad) return NULL;
+        int in_slot = grad == PyList_GET_ITEM(h->views, i) && grad != Py_None;
+        Py_DECREF(grad); /* compared by identity only; the parameter keeps it alive */
+        if (in_slot) {
+            ReducerObject *r = h->reducer;
+            if (!reducer_ready(r)) return NULL;
+            if (i >= r->nparams) {
+                PyErr_Format(PyExc_ValueError, "gradient hook %zd: the reducer has %d parameters",
+                             i, r->nparams);
+                return NULL;
+            }
+            ddpc_status st;
+            uintptr_t stream = (uintptr_t)h->stream;
+            if (ddpc_reducer_mark_would_launch(r->r, (int)i)) {
+                DDPC_NOGIL(st, ddpc_reducer_mark_ready(r->r, (int)i, stream));
+            } else {
+                st = ddpc_reducer_mark_ready(r->r, (int)i, stream);
+            }
+            if (st != DDPC_OK) {
+                raise_status(state_of_type(Py_TYPE(r)), st);
+                name_parameter_error(h, i);
+                return NULL;
+            }
+            Py_RETURN_NONE;
+        }
+    }
+    return PyObject_CallFunctionObjArgs(h->slow, p, self->index_obj, NULL);
+}
+
+static PyType_Slot GradHook_slots[] = {
+    {Py_tp_new, GradHook_new},
+    {Py_tp_dealloc, GradHook_dealloc},
+    {Py_tp_traverse, GradHook_traverse},
+    {Py_tp_clear, GradHook_clear},
+    {Py_tp_call, GradHook_call},
+    {Py_tp_doc, "GradHook(hooks, index): the post-accumulate-grad hook of parameter `index`"},
+    {0, NULL},
+};
+
+static PyType_Spec GradHook_spec = {
+    "ddpc._C.GradHook", sizeof(GradHookObject), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    GradHook_slots,
+};
+
+
 /* ---------------------------------------------------------------- DistributedSampler (sampler.c) */
 /* BEGIN SAMPLER BINDINGS */
 /* One rank's indices for one epoch, generated by the core into one int64 buffer when the object is
@@ -1307,6 +1618,9 @@ static int module_exec(PyObject *m) {
     /* BEGIN TYPE REGISTRATION */
     if (add_type(m, &Reducer_spec, &s->ReducerType) < 0) return -1;
     if (add_type(m, &SamplerIndices_spec, &s->SamplerType) < 0) return -1;
+    if (add_type(m, &GradHooks_spec, &s->GradHooksType) < 0) return -1;
+    if (add_type(m, &GradHook_spec, &s->GradHookType) < 0) return -1;
+    if (!g_str_grad && !(g_str_grad = PyUnicode_InternFromString("grad"))) return -1;
     /* END TYPE REGISTRATION */
     ddpc_set_interrupt_hook(interrupt_hook);
     return 0;
@@ -1325,6 +1639,8 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(s->WorkType);
     Py_VISIT(s->ReducerType);
     Py_VISIT(s->SamplerType);
+    Py_VISIT(s->GradHooksType);
+    Py_VISIT(s->GradHookType);
     return 0;
 }
 
@@ -1341,6 +1657,8 @@ static int module_clear(PyObject *m) {
     Py_CLEAR(s->WorkType);
     Py_CLEAR(s->ReducerType);
     Py_CLEAR(s->SamplerType);
+    Py_CLEAR(s->GradHooksType);
+    Py_CLEAR(s->GradHookType);
     return 0;
 }
 

@@ -301,7 +301,87 @@ def _w_absent(rank: int, world: int, ddpc: Any, torch: Any, results: Any,
     return {"raised": None}
 
 
+def _w_fast(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dict[str, Any]:
+    """The one-shot path for small all-reduces: on by default between the GPUs of this host;
+    every dtype and op it takes, sizes around its limits (unaligned, exactly the largest, one
+    element over, which goes to NCCL), calls alternating between two streams, and calls mixed
+    with NCCL collectives still in flight."""
+    failures: List[str] = []
+    dev = torch.device("cuda", rank)
+    limit = ddpc.distributed._require().group.fast_max_bytes
+    if limit <= 0:
+        return {"failures": [f"the one-shot path is off on rank {rank} (fast_max_bytes=0)"]}
+    for dtype in ["float32", "float64", "float16", "bfloat16", "int32", "int64"]:
+        esize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        for n in (1, 3, 8, 4096 + 5, limit // esize, limit // esize + 1):
+            xs = [_input(torch, dtype, r, n) for r in range(world)]
+            for op in ["sum", "avg", "min", "max", "prod"]:
+                if op == "avg" and dtype not in FLOATS:
+                    continue
+                t = xs[rank].to(dev)
+                ddpc.all_reduce(t, op=op)
+                failures.append(_compare(torch, t, xs, op, f"all_reduce {op} {dtype} n={n}"))
+                # Every rank holds bitwise the same result (reduced in rank order everywhere).
+                both = torch.empty(world * n, dtype=t.dtype, device=dev)
+                ddpc.all_gather_into_tensor(both, t)
+                if not torch.equal(both[:n], both[n:2 * n]):
+                    failures.append(f"all_reduce {op} {dtype} n={n}: ranks hold different bits")
+    side = torch.cuda.Stream(device=dev)
+    for i in range(300):
+        s = side if i % 3 == 0 else torch.cuda.current_stream(dev)
+        with torch.cuda.stream(s):
+            t = torch.full((257,), float(i + rank), device=dev)
+            ddpc.all_reduce(t)
+            want = float(sum(i + r for r in range(world)))
+            if not torch.all(t == want).item():
+                failures.append(f"call {i} alternating streams holds {t[0].item()}, expected {want}")
+                break
+    big = torch.full((4 << 20,), float(rank + 1), device=dev)
+    work = ddpc.all_reduce(big, async_op=True)       # NCCL, on the communication stream
+    small = torch.full((1000,), float(rank + 1), device=dev)
+    ddpc.all_reduce(small)                            # one-shot, on the current stream
+    work.wait()
+    total = float(sum(range(1, world + 1)))
+    if not (torch.all(big == total).item() and torch.all(small == total).item()):
+        failures.append("a one-shot all_reduce beside an NCCL one in flight gave a wrong result")
+    return {"failures": [f for f in failures if f]}
+
+
+def _w_fast_mismatch(rank: int, world: int, ddpc: Any, torch: Any,
+                     results: Any) -> Dict[str, Any]:
+    """Ranks pass different sizes to the same small all_reduce: both must raise MismatchError
+    naming the other rank's size, not hang and not return garbage silently."""
+    dev = torch.device("cuda", rank)
+    t = torch.ones(100 + rank, device=dev)
+    t0 = time.monotonic()
+    try:
+        ddpc.all_reduce(t)
+        torch.cuda.synchronize()
+        time.sleep(0.5)   # the watchdog looks every 100 ms; the next call also checks
+        ddpc.all_reduce(torch.ones(4, device=dev))
+    except ddpc.DistributedError as e:
+        return {"raised": type(e).__name__, "message": str(e), "after": time.monotonic() - t0}
+    return {"raised": None}
+
+
 # ------------------------------------------------------------------------- tests
+
+
+@needs_2
+def test_fast_small_all_reduce():
+    res = _run_ranks(_w_fast)
+    for r, out in res.items():
+        assert not out["failures"], f"rank {r}:\n" + "\n".join(out["failures"])
+
+
+@needs_2
+def test_fast_all_reduce_size_mismatch_raises():
+    res = _run_ranks(_w_fast_mismatch, timeout=20.0)
+    for r, out in res.items():
+        other = 1 - r
+        assert out["raised"] == "MismatchError", out
+        assert f"rank {other} passed {100 + other} elements" in out["message"], out["message"]
+        assert out["after"] < 10, out
 
 
 @needs_2

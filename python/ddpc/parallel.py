@@ -67,6 +67,14 @@ def _first_difference(a: List[Tuple[str, str]], b: List[Tuple[str, str]], ra: in
     return f"ranks {ra} and {rb} describe their parameters differently"
 
 
+def _contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
 def _comm_device(group: Any) -> torch.device:
     """Where the group's collectives read and write: the GPU this rank is bound to (nccl), or the
     host. The binding comes from init_process_group rather than torch's current device, which
@@ -250,8 +258,13 @@ class DistributedModel(torch.nn.Module):
         self._views: List[Optional[torch.Tensor]] = []
         self._build_buckets()
         self._is_cuda = [p.device.type == "cuda" for p in self._params]
-        ref = weakref.ref(self)
-        handles = [p.register_post_accumulate_grad_hook(self._make_hook(ref, i))
+        # The hooks are C callables (one per parameter, sharing this state): a gradient already
+        # in its slot during a synced backward is marked ready without running Python; other
+        # cases call the Python slow path, which holds the wrapper only weakly (the parameters
+        # keep their hooks alive, and the wrapper keeps the parameters).
+        self._grad_hooks = _C.GradHooks(self._make_slow_hook(weakref.ref(self)), list(self._names))
+        self._sync_hooks()
+        handles = [p.register_post_accumulate_grad_hook(_C.GradHook(self._grad_hooks, i))
                    for i, p in enumerate(self._params)]
         # Once the wrapper is gone, its module trains alone again, without dead hooks.
         weakref.finalize(self, _remove_hooks, handles)
@@ -304,6 +317,8 @@ class DistributedModel(torch.nn.Module):
             wires.append(torch.empty(count, dtype=_DTYPE_OF_CODE[comm_code], device=device)
                          if comm_code >= 0 else None)
         offsets, bucket_of = [], []
+        self._shapes = [tuple(p.shape) for p in params]
+        self._strides = [_contiguous_strides(p.shape) for p in params]
         members: List[List[int]] = [[] for _ in specs]
         for i in range(len(params)):
             b, off = reducer.param_slot(i)
@@ -328,14 +343,14 @@ class DistributedModel(torch.nn.Module):
                         self._views[i].copy_(g)
             for i in idx:
                 params[i].grad = self._views[i]
+        self._sync_hooks()
         if old is not None:
             old.close()
 
     def _allocate_bucket(self, b: int, grad: Optional[torch.Tensor] = None) -> None:
         """Gives released bucket b memory: `grad` itself when given (the bucket's only
-        parameter's freshly computed gradient, adopted without a copy), else zeros (padding and
-        the slots of gradients yet to come must be zero). Makes its views; leaves param.grad
-        alone."""
+        parameter's freshly computed gradient, adopted without a copy), else zeros. Makes its
+        views; leaves param.grad alone."""
         count, dtype, device = self._bucket_specs[b]
         buf = grad.view(-1) if grad is not None else torch.zeros(count, dtype=dtype, device=device)
         wire = self._wires[b]
@@ -343,10 +358,14 @@ class DistributedModel(torch.nn.Module):
                                         (buf, wire))
         self._buckets[b] = buf
         self._bucket_ptrs[b] = buf.data_ptr()
+        if grad is not None:
+            self._views[self._members[b][0]] = grad
+            return
+        # One dispatch per view (as_strided with precomputed strides): this runs for every
+        # bucket in every step, on the host path that keeps the GPU fed.
+        shapes, strides, offsets = self._shapes, self._strides, self._offsets
         for i in self._members[b]:
-            p = self._params[i]
-            off = self._offsets[i]
-            self._views[i] = grad if grad is not None else buf[off:off + p.numel()].view(p.shape)
+            self._views[i] = buf.as_strided(shapes[i], strides[i], offsets[i])
 
     def _release_bucket(self, b: int) -> None:
         """Frees bucket b (its parameters' gradients are all None): the reducer, the wrapper and
@@ -373,13 +392,38 @@ class DistributedModel(torch.nn.Module):
         """Parameter i's view, allocating its released bucket first (adopting g if it can)."""
         view = self._views[i]
         if view is None:
-            self._allocate_bucket(self._bucket_of[i], g if self._adoptable(i, g) else None)
+            b = self._bucket_of[i]
+            if self._adoptable(i, g):
+                self._allocate_bucket(b, g)
+            else:
+                self._allocate_bucket(b)
+                if self._active:
+                    # A synced backward: the bucket's other gradients are still to come. Pointed
+                    # at their zeroed slots now, autograd accumulates them into the bucket in
+                    # place, and their hooks find them there, with no copy and no Python work.
+                    # (Parameters this rank does not use end with zeros, as they would anyway.)
+                    params, views = self._params, self._views
+                    for j in self._members[b]:
+                        if j != i and params[j].grad is None:
+                            params[j].grad = views[j]
             view = self._views[i]
         return view
 
+    def _sync_hooks(self, fast: bool = False) -> None:
+        """Tells the C hooks the current reducer, views and stream, and whether a synced
+        backward with its end queued is running (only then may they mark gradients ready on
+        their own)."""
+        h = getattr(self, "_grad_hooks", None)
+        if h is None:
+            return
+        h.reducer = self._reducer
+        h.views = self._views
+        h.stream = self._fwd_stream
+        h.fast = fast
+
     @staticmethod
-    def _make_hook(ref: Any, i: int) -> Any:
-        def hook(p: torch.Tensor) -> None:
+    def _make_slow_hook(ref: Any) -> Any:
+        def hook(p: torch.Tensor, i: int) -> None:
             model = ref()
             if model is None:
                 return
@@ -446,6 +490,7 @@ class DistributedModel(torch.nn.Module):
         self._reducer.prepare()
         self._active = True
         self._finalize_queued = False
+        self._sync_hooks()
 
     def _queue_finalize(self) -> None:
         if self._finalize_queued:
@@ -456,10 +501,11 @@ class DistributedModel(torch.nn.Module):
             self._arm()  # another backward through a synced forward's graph: average it too
         self._finalize_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        self._grad_hooks.fast = True
 
     def _stream(self) -> int:
         if self._device.type == "cuda":
-            return torch.cuda.current_stream(self._device).cuda_stream
+            return dist._raw_stream(self._device.index)
         return 0
 
     def _finalize(self) -> None:
@@ -467,6 +513,7 @@ class DistributedModel(torch.nn.Module):
         accumulated one (no_sync), zeroes the others, reduces everything and waits."""
         self._active = False
         self._finalize_queued = False
+        self._grad_hooks.fast = False
         # Autograd may run this on any of its threads, whose current device may differ.
         with _on(self._device):
             self._finalize_on_device()
@@ -542,6 +589,7 @@ class DistributedModel(torch.nn.Module):
                     with _on(self._device):
                         self._buffer_works = _broadcast_flat(buffers, self._group, self._device)
             self._synced_forward = self._require_sync
+            self._grad_hooks.fast = False
             if self._require_sync:
                 # prepare() first: it waits for the collectives of an unfinished step, which may
                 # still use memory that _attach_grads releases.
