@@ -1049,7 +1049,16 @@ out:
 
 static PyObject *Reducer_close(ReducerObject *self, PyObject *unused) {
     (void)unused;
+    int alive = self->r != NULL && reducer_group_alive(self);
     reducer_close(self);
+    /* Nothing writes into the buckets any more: their owners may go now, not when the last
+     * reference to this object does (a leaked reducer keeps them: a collective may be running). */
+    if (alive && self->keep) {
+        for (Py_ssize_t b = 0; b < PyList_GET_SIZE(self->keep); b++) {
+            Py_INCREF(Py_None);
+            if (PyList_SetItem(self->keep, b, Py_None) < 0) return NULL;
+        }
+    }
     Py_RETURN_NONE;
 }
 

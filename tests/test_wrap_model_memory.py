@@ -183,7 +183,42 @@ def sc_lazy(rank):
     return out
 
 
-SCENARIOS = [("broadcast", sc_broadcast), ("rebuild", sc_rebuild), ("lazy", sc_lazy)]
+def sc_rebuild_none(rank):
+    """The usual loop (zero_grad(set_to_none=True), bfloat16 reduction): at the forward that
+    applies the first step's layout, the old buckets and wire buffers must be gone before the
+    new ones are made; nothing else (the gradient hooks, the closed reducer) may keep them."""
+    import ddpc
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    wrapped = ddpc.wrap_model(model, grad_dtype=torch.bfloat16)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    wrapped(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    old = [weakref.ref(t) for t in wrapped._buckets + wrapped._wires if t is not None]
+    stale = wrapped._layout_stale
+    # The new wire buffers are made with torch.empty: count the old buffers still alive then.
+    alive_at_alloc = []
+    real_empty = torch.empty
+
+    def spy(*args, **kwargs):
+        alive_at_alloc.append(sum(r() is not None for r in old))
+        return real_empty(*args, **kwargs)
+
+    torch.empty = spy
+    try:
+        out = wrapped(x)   # this forward rebuilds the buckets
+    finally:
+        torch.empty = real_empty
+    out.square().mean().backward()
+    return {"stale": stale, "old": len(old), "alive_at_alloc": alive_at_alloc,
+            "alive": sum(r() is not None for r in old),
+            "same_grads": all(p.grad is not None for p in model.parameters())}
+
+
+SCENARIOS = [("broadcast", sc_broadcast), ("rebuild", sc_rebuild), ("lazy", sc_lazy),
+             ("rebuild_none", sc_rebuild_none)]
 
 
 def _worker(rank, port, results):
@@ -223,6 +258,14 @@ def test_first_step_rebuild_releases_the_old_buckets(runs):
         assert r["had_1"] > 0 and r["had_2"] > 0, r
         assert r["released_1"], r  # the layout of step 0 was replaced and freed at step 1
         assert not r["released_2"], r  # and after that the buckets stay
+
+
+def test_rebuild_after_set_to_none_keeps_no_old_buffers(runs):
+    for r in result(runs, "rebuild_none"):
+        assert r["stale"] and r["old"] > 0, r  # a rebuild was due, with buffers to free
+        assert r["alive_at_alloc"] and max(r["alive_at_alloc"]) == 0, r
+        assert r["alive"] == 0, r
+        assert r["same_grads"], r
 
 
 def test_buckets_of_none_gradients_are_freed_until_backward_needs_them(runs):

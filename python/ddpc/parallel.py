@@ -301,7 +301,8 @@ class DistributedModel(torch.nn.Module):
         self._layout_stale = False
         if self._reducer is not None and all(p.grad is None for p in params):
             self._reducer.close()
-            self._reducer, self._buckets, self._views = None, [], []
+            self._reducer, self._buckets, self._views, self._wires = None, [], [], []
+            self._sync_hooks()
         devices = [p.device.index if p.device.type == "cuda" else -1 for p in params]
         comm = _CODE_OF_DTYPE[self._grad_dtype] if self._grad_dtype is not None else -1
         reducer = _C.Reducer(self._group, [p.numel() for p in params],
