@@ -379,7 +379,7 @@ typedef struct FastCall {
     size_t count;
     int dtype, redop;
 } FastCall;
-#define FAST_HISTORY 64
+#define FAST_HISTORY 256 /* divides 2^32: indexed by the epoch's low 32 bits too */
 
 /* The one-shot all-reduce (fastar.h) of one group: this rank's region, the peers' regions as
  * mapped into this process, and the control block the kernels report to. */
@@ -389,8 +389,8 @@ typedef struct FastAr {
     DdpcFastCtl *ctl;                   /* pinned host memory, mapped; ctl_dev on the device */
     DdpcFastCtl *ctl_dev;
     size_t sub_bytes, max_bytes;
-    uint32_t epoch;                     /* calls issued (under g->mu) */
-    atomic_uint issued;                 /* the same, for the watchdog */
+    uint64_t epoch;                     /* calls issued (under g->mu) */
+    atomic_uint issued;                 /* its low 32 bits, for the watchdog */
     uintptr_t last_stream;              /* where the previous call ran */
     int have_last;
     cudaEvent_t chain;                  /* orders a call after the previous one on another stream */
@@ -401,7 +401,7 @@ typedef struct FastAr {
 } FastAr;
 
 static ddpc_status aborted_error(NcclImpl *im, const char *what);
-static void fast_free(NcclImpl *im);
+static void fast_free(NcclImpl *im, int region_shared);
 static void fast_watch(NcclImpl *im);
 
 static void sleep_us(unsigned us) {
@@ -712,7 +712,7 @@ static void *watchdog_main(void *arg) {
             /* Fast calls have no works: look at them every FAST_WATCH_MS even when idle. */
             if (!im->stop && !im->abort_requested && !im->head) {
                 struct timespec ts;
-                clock_gettime(CLOCK_REALTIME, &ts);
+                clock_gettime(CLOCK_MONOTONIC, &ts);
                 ts.tv_nsec += FAST_WATCH_MS * 1000000L;
                 ts.tv_sec += ts.tv_nsec / 1000000000L;
                 ts.tv_nsec %= 1000000000L;
@@ -845,7 +845,7 @@ static ddpc_status exchange_id(DdpcGroup *g, int64_t deadline, ncclUniqueId *id)
 }
 
 static void impl_free(NcclImpl *im) {
-    fast_free(im);
+    fast_free(im, 1); /* a clean shutdown freed it already (fast_teardown) */
     for (int i = 0; i < im->npool; i++) CUDA_LOG(cudaEventDestroy(im->pool[i]));
     free(im->pool);
     if (im->scratch) CUDA_LOG(cudaFree(im->scratch));
@@ -1055,11 +1055,6 @@ static ddpc_status fast_check(NcclImpl *im) {
     return ddpc_error(st, "%s", msg);
 }
 
-/* Waiting kernels give up at once (the host memory is mapped: they poll it). */
-static void fast_stop_kernels(NcclImpl *im) {
-    if (im->fast && im->fast->ctl) im->fast->ctl->abort = 1;
-}
-
 /* The watchdog's look at the fast path: a reported failure, or calls that have not finished for
  * a while, in which case the store says whether a peer died. */
 static void fast_watch(NcclImpl *im) {
@@ -1094,13 +1089,20 @@ static void fast_watch(NcclImpl *im) {
     request_abort(im, DDPC_ERR_PEER, msg);
 }
 
-static void fast_free(NcclImpl *im) {
+/* Frees the fast path's resources. region_shared: a peer may still have this rank's region mapped
+ * (freeing it first is undefined behaviour in CUDA), so it is left allocated until the process
+ * exits, 4 MiB of device memory, on failure paths only. */
+static void fast_free(NcclImpl *im, int region_shared) {
     FastAr *f = im->fast;
     if (!f) return;
     im->g->fast_max_bytes = 0;
     for (int r = 0; r < DDPC_FAST_MAX_RANKS; r++)
         if (f->peer[r]) CUDA_LOG(cudaIpcCloseMemHandle(f->peer[r]));
-    if (f->region) CUDA_LOG(cudaFree(f->region));
+    if (f->region && region_shared)
+        DDPC_INFO("NCCL", "rank %d: the one-shot all-reduce region stays allocated (a peer may "
+                  "still map it)", im->g->rank);
+    else if (f->region)
+        CUDA_LOG(cudaFree(f->region));
     if (f->ctl) CUDA_LOG(cudaFreeHost(f->ctl));
     if (f->chain) CUDA_LOG(cudaEventDestroy(f->chain));
     free(f);
@@ -1136,7 +1138,10 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
     const char *p2p = getenv("NCCL_P2P_DISABLE"), *env = getenv("DDPC_FAST_ALLREDUCE");
     FastVote mine;
     memset(&mine, 0, sizeof mine);
-    ddpc_default_host_id(mine.host, sizeof mine.host);
+    if (g->host_id[0])
+        snprintf(mine.host, sizeof mine.host, "%s", g->host_id);
+    else
+        ddpc_default_host_id(mine.host, sizeof mine.host);
     FastAr *f = calloc(1, sizeof *f);
     if (!f) return ddpc_error(DDPC_ERR_NOMEM, "out of host memory setting up the fast all-reduce");
     im->fast = f;
@@ -1166,7 +1171,7 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
     mine.ok = !why[0];
     ddpc_group_key(g, key, sizeof key, "fast/vote/%d", g->rank);
     DDPC_CHECK(ddpc_store_set(g->store, key, &mine, sizeof mine));
-    int all_ok = 1;
+    int all_ok = 1, votes_ok = 1;
     for (int r = 0; r < g->world; r++) {
         void *val = NULL;
         size_t len = 0;
@@ -1184,10 +1189,10 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
         v.host[sizeof v.host - 1] = '\0';
         if (!v.ok) {
             if (all_ok && !why[0]) snprintf(why, sizeof why, "rank %d cannot use it", r);
-            all_ok = 0;
+            all_ok = votes_ok = 0;
         } else if (strcmp(v.host, mine.host)) {
             if (all_ok && !why[0]) snprintf(why, sizeof why, "rank %d is on another host", r);
-            all_ok = 0;
+            all_ok = votes_ok = 0;
         } else if (all_ok && r != g->rank) {
             cudaError_t e = cudaIpcOpenMemHandle((void **)&f->peer[r], v.handle,
                                                  cudaIpcMemLazyEnablePeerAccess);
@@ -1220,7 +1225,8 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
     if (!enabled) {
         DDPC_INFO("NCCL", "rank %d: small all-reduces go through NCCL (no one-shot path: %s)",
                   g->rank, why);
-        fast_free(im);
+        /* Every vote was yes, so peers may have mapped this region before one of them failed. */
+        fast_free(im, votes_ok);
         return DDPC_OK;
     }
     f->sub_bytes = DDPC_FAST_SLOT_BYTES / (size_t)g->world / 16 * 16;
@@ -1231,32 +1237,64 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
     return DDPC_OK;
 }
 
-/* Lets every kernel of this rank finish, then waits (briefly) until the peers say the same, so
- * no peer still writes into this rank's region when it is freed. */
+/* True while a fast call of this rank has not finished and nothing says it never will. */
+static int fast_busy(NcclImpl *im) {
+    FastAr *f = im->fast;
+    return f && !atomic_load(&im->g->aborted) && f->ctl->err_code == DDPC_FAST_OK &&
+           f->ctl->done_epoch != (uint32_t)f->epoch;
+}
+
+/* At destroy, after nccl_destroy waited for the calls (fast_busy) with the watchdog running.
+ * Memory another process may still touch is never freed: kernels still running or queued are
+ * told to give up, and if they do not drain, everything stays allocated; this rank's region is
+ * freed only once every peer has closed its mapping of it. */
 static void fast_teardown(NcclImpl *im) {
     FastAr *f = im->fast;
     if (!f) return;
     DdpcGroup *g = im->g;
-    int64_t hard = ddpc_deadline(g->timeout_ms);
-    while (f->ctl->done_epoch != f->epoch && !atomic_load(&g->aborted) && ddpc_now_ms() < hard)
-        sleep_us(POLL_MAX_US);
-    if (f->ctl->done_epoch != f->epoch) fast_stop_kernels(im);
-    CUDA_LOG(cudaDeviceSynchronize());
-    char key[256];
-    ddpc_group_key(g, key, sizeof key, "fast/bye");
-    int64_t total = 0;
-    if (!atomic_load(&g->aborted) && ddpc_store_add(g->store, key, 1, &total) == DDPC_OK) {
-        int64_t until = ddpc_now_ms() + DDPC_MIN(g->timeout_ms, 10000);
-        while (total < g->world && ddpc_now_ms() < until) {
+    int quiet = f->ctl->done_epoch == (uint32_t)f->epoch;
+    if (!quiet) {
+        f->ctl->abort = 1; /* a call not yet begun touches no peer; a waiting one gives up */
+        cudaError_t e = cudaEventRecord(f->chain, (cudaStream_t)f->last_stream);
+        int64_t until = ddpc_now_ms() + 5000;
+        while (e == cudaSuccess && (e = cudaEventQuery(f->chain)) == cudaErrorNotReady &&
+               ddpc_now_ms() < until)
             sleep_us(POLL_MAX_US);
-            if (ddpc_store_add(g->store, key, 0, &total) != DDPC_OK) break;
-        }
+        (void)cudaGetLastError();
+        quiet = e == cudaSuccess;
     }
-    fast_free(im);
+    if (!quiet) {
+        DDPC_INFO("NCCL", "rank %d: one-shot all-reduce kernels did not drain at shutdown; their "
+                  "memory stays allocated", g->rank);
+        im->fast = NULL;
+        g->fast_max_bytes = 0;
+        return;
+    }
+    for (int r = 0; r < DDPC_FAST_MAX_RANKS; r++) {
+        if (f->peer[r]) CUDA_LOG(cudaIpcCloseMemHandle(f->peer[r]));
+        f->peer[r] = NULL;
+    }
+    /* After an abort a peer may never answer: do not wait for it, keep the region instead. */
+    int all_closed = 0;
+    if (!atomic_load(&g->aborted)) {
+        char key[256];
+        ddpc_group_key(g, key, sizeof key, "fast/closed");
+        int64_t total = 0;
+        if (ddpc_store_add(g->store, key, 1, &total) == DDPC_OK) {
+            int64_t until = ddpc_now_ms() + DDPC_MIN(g->timeout_ms, 10000);
+            while (total < g->world && ddpc_now_ms() < until && !atomic_load(&g->aborted)) {
+                sleep_us(POLL_MAX_US);
+                if (ddpc_store_add(g->store, key, 0, &total) != DDPC_OK) break;
+            }
+        }
+        all_closed = total >= g->world;
+    }
+    fast_free(im, !all_closed);
 }
 
 /* The synchronous all-reduce of a small device buffer on the caller's stream, without a work:
- * *ran = 0 when it does not qualify (the caller posts it to NCCL instead). */
+ * *ran = 0 when it does not qualify (the caller posts it to NCCL instead). The choice depends on
+ * what every rank passes alike (size, dtype, op, device), so all ranks take the same path. */
 static ddpc_status nccl_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *a, uint64_t seq,
                                        int *ran) {
     NcclImpl *im = g->impl;
@@ -1266,18 +1304,44 @@ static ddpc_status nccl_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *a, uint
     if (!f || a->device != im->device || a->count == 0 || !ddpc_fast_supported(a->dtype, a->redop) ||
         a->count > f->max_bytes / (esize ? esize : 1))
         return DDPC_OK;
+    /* A stream being captured into a CUDA graph: a replay would reuse this call's epoch, so the
+     * capture gets NCCL, which supports graphs. (A failing query means no capture to worry about:
+     * an invalid stream fails loudly in the launch.) */
+    enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing((cudaStream_t)a->stream, &capture) != cudaSuccess)
+        (void)cudaGetLastError();
+    if (capture != cudaStreamCaptureStatusNone) return DDPC_OK;
     *ran = 1;
     if (atomic_load(&g->aborted)) return aborted_error(im, "all_reduce");
     DDPC_CHECK(fast_check(im));
-    int prev = -1;
-    DDPC_CUDACHECK(cudaGetDevice(&prev));
-    if (prev != im->device) DDPC_CUDACHECK(cudaSetDevice(im->device));
+    char what[160];
+    snprintf(what, sizeof what, "all_reduce #%llu (%zu x %s, %s) on rank %d",
+             (unsigned long long)seq, a->count, ddpc_dtype_name(a->dtype),
+             ddpc_redop_name(a->redop), g->rank);
     ddpc_status st = DDPC_OK;
+    int prev = -1;
+    DDPC_CUDACHECK_GOTO(cudaGetDevice(&prev), st, fail);
+    if (prev != im->device) DDPC_CUDACHECK_GOTO(cudaSetDevice(im->device), st, fail);
     if (f->have_last && f->last_stream != a->stream) {
         /* The previous call ran on another stream: this one must not overtake it (the slots and
          * flags assume the calls of a rank run one after the other). */
-        DDPC_CUDACHECK_GOTO(cudaEventRecord(f->chain, (cudaStream_t)f->last_stream), st, out);
-        DDPC_CUDACHECK_GOTO(cudaStreamWaitEvent((cudaStream_t)a->stream, f->chain, 0), st, out);
+        DDPC_CUDACHECK_GOTO(cudaEventRecord(f->chain, (cudaStream_t)f->last_stream), st, fail);
+        DDPC_CUDACHECK_GOTO(cudaStreamWaitEvent((cudaStream_t)a->stream, f->chain, 0), st, fail);
+    }
+    /* Collectives posted earlier (async, on the communication stream) come first, as they would
+     * through NCCL: the buffer may be one of theirs. The newest one's event covers them all. */
+    pthread_mutex_lock(&im->mu);
+    cudaError_t ce = cudaSuccess;
+    if (im->tail) {
+        NcclWorkData *wd = im->tail->backend_data;
+        if (wd && atomic_load(&wd->enqueued))
+            ce = cudaStreamWaitEvent((cudaStream_t)a->stream, wd->done, 0);
+    }
+    pthread_mutex_unlock(&im->mu);
+    if (ce != cudaSuccess) {
+        st = ddpc_error(DDPC_ERR_CUDA, "making the stream wait for the collectives posted before "
+                        "it failed: %s (%s)", cudaGetErrorName(ce), cudaGetErrorString(ce));
+        goto fail;
     }
     DdpcFastArgs fa;
     memset(&fa, 0, sizeof fa);
@@ -1292,25 +1356,25 @@ static ddpc_status nccl_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *a, uint
     fa.dtype = a->dtype;
     fa.redop = a->redop;
     fa.ctl = f->ctl_dev;
-    fa.timeout_ns = (uint64_t)g->timeout_ms * 1000000ull;
+    fa.timeout_ns = g->timeout_ms >= (int64_t)(UINT64_MAX / 1000000ull)
+                        ? UINT64_MAX : (uint64_t)g->timeout_ms * 1000000ull;
     FastCall *c = &f->hist[fa.epoch % FAST_HISTORY];
     c->seq = seq;
     c->count = a->count;
     c->dtype = a->dtype;
     c->redop = a->redop;
-    st = ddpc_fast_launch(&fa, a->stream);
-    if (st != DDPC_OK) {
-        /* The peers may already be waiting for this call: they must learn it will not come. */
-        ddpc_error_prefix(st, "all_reduce #%llu on rank %d: ", (unsigned long long)seq, g->rank);
-        request_abort(im, st, ddpc_last_error());
-        goto out;
-    }
+    DDPC_CHECK_GOTO(ddpc_fast_launch(&fa, a->stream), st, fail);
     f->epoch = fa.epoch;
-    atomic_store(&f->issued, fa.epoch);
+    atomic_store(&f->issued, (uint32_t)fa.epoch);
     f->last_stream = a->stream;
     f->have_last = 1;
+    goto out;
+fail:
+    /* The peers may already be waiting for this call: they must learn it will not come. */
+    ddpc_error_prefix(st, "%s: ", what);
+    request_abort(im, st, ddpc_last_error());
 out:
-    if (prev != im->device) {
+    if (prev >= 0 && prev != im->device) {
         cudaError_t e = cudaSetDevice(prev);
         if (e != cudaSuccess && st == DDPC_OK)
             st = ddpc_error(DDPC_ERR_CUDA, "restoring the current device %d failed: %s", prev,
@@ -1343,7 +1407,12 @@ static ddpc_status nccl_init(DdpcGroup *g) {
     im->device = g->cuda_device;
     pthread_mutex_init(&im->comm_mu, NULL);
     pthread_mutex_init(&im->mu, NULL);
-    pthread_cond_init(&im->cv, NULL);
+    /* The watchdog's timed waits measure a monotonic clock: a wall-clock jump cannot stall it. */
+    pthread_condattr_t cattr;
+    pthread_condattr_init(&cattr);
+    pthread_condattr_setclock(&cattr, CLOCK_MONOTONIC);
+    pthread_cond_init(&im->cv, &cattr);
+    pthread_condattr_destroy(&cattr);
 
     int least = 0, greatest = 0;
     DDPC_CUDACHECK_GOTO(cudaDeviceGetStreamPriorityRange(&least, &greatest), st, fail);
@@ -1570,7 +1639,11 @@ static void nccl_destroy(DdpcGroup *g) {
         int64_t hard = INT64_MAX;
         if (im->tail && im->tail->deadline_ms < INT64_MAX - 30000)
             hard = im->tail->deadline_ms + 30000;
-        while (im->head && ddpc_now_ms() < hard) {
+        /* Fast calls end on their own (each kernel times out at the group's timeout) or when
+         * the watchdog aborts the group. */
+        int64_t fast_hard = ddpc_deadline(g->timeout_ms);
+        if (fast_hard < INT64_MAX - 30000) fast_hard += 30000;
+        while ((im->head && ddpc_now_ms() < hard) || (fast_busy(im) && ddpc_now_ms() < fast_hard)) {
             pthread_mutex_unlock(&im->mu);
             sleep_us(POLL_MAX_US);
             pthread_mutex_lock(&im->mu);

@@ -15,7 +15,7 @@
 namespace {
 
 constexpr int kThreads = 512;
-/* Units (16-byte packs or single elements) per thread before another block is worth its barrier. */
+/* 16-byte units per thread before another block is worth its barrier. */
 constexpr int kUnitsPerThread = 2;
 
 template <typename T> struct Acc { using type = float; };  // float, __half, __nv_bfloat16
@@ -75,118 +75,159 @@ __device__ __forceinline__ uint64_t globaltimer() {
     return t;
 }
 
-/* Records the first failure in the control block (the host turns it into the error). */
-__device__ void report(DdpcFastCtl *ctl, uint32_t code, uint32_t epoch, int peer,
+/* Records the first failure in the control block: the details first, the code last, so the host
+ * never reads a code with stale details. */
+__device__ void report(DdpcFastCtl *ctl, uint32_t code, uint64_t epoch, int peer,
                        uint32_t peer_count) {
-    if (atomicCAS((unsigned int *)&ctl->err_code, 0u, code) == 0u) {
-        ctl->err_epoch = epoch;
+    if (atomicCAS((unsigned int *)&ctl->claim, 0u, 1u) == 0u) {
+        ctl->err_epoch = (uint32_t)epoch;
         ctl->err_peer = peer;
         ctl->err_peer_count = peer_count;
+        __threadfence_system();
+        ctl->err_code = code;
         __threadfence_system();
     }
 }
 
-/* U: uint4 (16-byte packs of T) or T itself. in/out and the count are in units of U. */
+/* Reduces the world's copies of one unit U (a 16-byte pack of T, or one T) in rank order. */
 template <typename T, int OP, typename U>
-__global__ void __launch_bounds__(kThreads) fast_allreduce_kernel(DdpcFastArgs a, size_t units) {
+__device__ __forceinline__ U reduce_unit(const DdpcFastArgs &a, const U *in, size_t slot,
+                                         size_t i) {
     constexpr int kPer = sizeof(U) / sizeof(T);
+    using A = typename Acc<T>::type;
+    A acc[kPer];
+    for (int r = 0; r < a.world; r++) {
+        U u = r == a.rank ? in[i]
+                          : load_cg(reinterpret_cast<const U *>(a.base[a.rank] + slot +
+                                                                (size_t)r * a.sub_bytes) + i);
+        const T *v = reinterpret_cast<const T *>(&u);
+#pragma unroll
+        for (int k = 0; k < kPer; k++)
+            acc[k] = r == 0 ? to_acc(v[k]) : combine<T, OP>(acc[k], to_acc(v[k]));
+    }
+    U res;
+    T *o = reinterpret_cast<T *>(&res);
+#pragma unroll
+    for (int k = 0; k < kPer; k++) {
+        A x = acc[k];
+        if (OP == DDPC_AVG) x = x / (A)a.world;
+        o[k] = from_acc<T>(x);
+    }
+    return res;
+}
+
+/* units16 = the message's size in 16-byte units (the last one may be partial): block b covers the
+ * same bytes on every rank. VEC: this rank's buffer is 16-byte aligned, so it moves the block's
+ * whole units as vectors and only a partial last unit element by element. */
+template <typename T, int OP, bool VEC>
+__global__ void __launch_bounds__(kThreads) fast_allreduce_kernel(DdpcFastArgs a, size_t units16) {
+    constexpr size_t kE = 16 / sizeof(T);
     __shared__ int failed;
-    if (threadIdx.x == 0) failed = 0;
-    const int b = blockIdx.x;
-    const size_t chunk = (units + gridDim.x - 1) / gridDim.x;
-    const size_t lo = min(units, (size_t)b * chunk), hi = min(units, lo + chunk);
-    const U *in = static_cast<const U *>(a.in);
-    U *out = static_cast<U *>(a.out);
-    const size_t slot = DDPC_FAST_FLAGS_BYTES + (size_t)(a.epoch & 1u) * DDPC_FAST_SLOT_BYTES;
-
-    /* 1. Push this block's share of the input into every peer's slot. */
-    for (int p = 0; p < a.world; p++) {
-        if (p == a.rank) continue;
-        U *dst = reinterpret_cast<U *>(a.base[p] + slot + (size_t)a.rank * a.sub_bytes);
-        for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) dst[i] = in[i];
-    }
-    /* Every thread's stores reach the peers before any flag says they did. */
-    __threadfence_system();
-    __syncthreads();
-    const uint32_t count32 = (uint32_t)a.count;
     const int t = threadIdx.x;
-    if (t < a.world && t != a.rank) {
-        volatile uint64_t *flag = reinterpret_cast<volatile uint64_t *>(a.base[t]) +
-                                  (size_t)b * DDPC_FAST_MAX_RANKS + a.rank;
-        *flag = ((uint64_t)a.epoch << 32) | count32;
-    }
-
-    /* 2. Wait for every peer's flag of this call (or the next one: a peer may be one ahead). */
-    if (t < a.world && t != a.rank) {
-        volatile uint64_t *flag = reinterpret_cast<volatile uint64_t *>(a.base[a.rank]) +
-                                  (size_t)b * DDPC_FAST_MAX_RANKS + t;
-        const uint64_t start = globaltimer();
-        for (uint32_t spins = 1;; spins++) {
-            const uint64_t v = *flag;
-            const int32_t ahead = (int32_t)((uint32_t)(v >> 32) - a.epoch);
-            if (ahead >= 0) {
-                if (ahead == 0 && (uint32_t)v != count32) {
-                    report(a.ctl, DDPC_FAST_MISMATCH, a.epoch, t, (uint32_t)v);
-                    failed = 1;
-                }
-                break;
-            }
-            if ((spins & 255u) == 0) {
-                if (a.ctl->abort) {
-                    report(a.ctl, DDPC_FAST_ABORTED, a.epoch, t, 0);
-                    failed = 1;
-                    break;
-                }
-                if (globaltimer() - start > a.timeout_ns) {
-                    report(a.ctl, DDPC_FAST_TIMEOUT, a.epoch, t, 0);
-                    failed = 1;
-                    break;
-                }
-            }
-        }
-        __threadfence();
-    }
+    if (t == 0) failed = a.ctl->abort ? 1 : 0; /* aborted before it began: touch no peer */
     __syncthreads();
-    if (failed) return;
+    const int b = blockIdx.x;
+    const size_t chunk = (units16 + gridDim.x - 1) / gridDim.x;
+    const size_t lo16 = min(units16, (size_t)b * chunk), hi16 = min(units16, lo16 + chunk);
+    const size_t elo = lo16 * kE, ehi = min(hi16 * kE, a.count);
+    const size_t vhi = VEC ? max(lo16, min(hi16, a.count / kE)) : lo16; /* whole units: vectors */
+    const size_t tail = VEC ? max(elo, vhi * kE) : elo;                 /* the rest: elements */
+    const T *in = static_cast<const T *>(a.in);
+    T *out = static_cast<T *>(a.out);
+    const size_t slot = DDPC_FAST_FLAGS_BYTES + (size_t)(a.epoch & 1u) * DDPC_FAST_SLOT_BYTES;
+    const uint64_t count20 = a.count & ((1u << DDPC_FAST_COUNT_BITS) - 1);
+
+    if (!failed) {
+        /* 1. Push this block's share of the input into every peer's slot. */
+        for (int p = 0; p < a.world; p++) {
+            if (p == a.rank) continue;
+            char *dst = a.base[p] + slot + (size_t)a.rank * a.sub_bytes;
+            if (VEC)
+                for (size_t i = lo16 + t; i < vhi; i += blockDim.x)
+                    reinterpret_cast<uint4 *>(dst)[i] = reinterpret_cast<const uint4 *>(in)[i];
+            for (size_t i = tail + t; i < ehi; i += blockDim.x) reinterpret_cast<T *>(dst)[i] = in[i];
+        }
+        /* Every thread's stores reach the peers before any flag says they did. */
+        __threadfence_system();
+        __syncthreads();
+        if (t < a.world && t != a.rank) {
+            volatile uint64_t *flag = reinterpret_cast<volatile uint64_t *>(a.base[t]) +
+                                      (size_t)b * DDPC_FAST_MAX_RANKS + a.rank;
+            *flag = (a.epoch << DDPC_FAST_COUNT_BITS) | count20;
+        }
+
+        /* 2. Wait for every peer's flag of this call (or the next one: a peer may be one ahead;
+         * a flag left from an older call is always lower). */
+        if (t < a.world && t != a.rank) {
+            volatile uint64_t *flag = reinterpret_cast<volatile uint64_t *>(a.base[a.rank]) +
+                                      (size_t)b * DDPC_FAST_MAX_RANKS + t;
+            const uint64_t start = globaltimer();
+            for (uint32_t spins = 1;; spins++) {
+                const uint64_t v = *flag;
+                const uint64_t e = v >> DDPC_FAST_COUNT_BITS;
+                if (e >= a.epoch) {
+                    const uint64_t c = v & ((1u << DDPC_FAST_COUNT_BITS) - 1);
+                    if (e == a.epoch && c != count20) {
+                        report(a.ctl, DDPC_FAST_MISMATCH, a.epoch, t, (uint32_t)c);
+                        failed = 1;
+                    }
+                    break;
+                }
+                if ((spins & 255u) == 0) {
+                    if (a.ctl->abort) {
+                        report(a.ctl, DDPC_FAST_ABORTED, a.epoch, t, 0);
+                        failed = 1;
+                        break;
+                    }
+                    if (globaltimer() - start > a.timeout_ns) {
+                        report(a.ctl, DDPC_FAST_TIMEOUT, a.epoch, t, 0);
+                        failed = 1;
+                        break;
+                    }
+                }
+            }
+            /* The peers' data was written under a system-scope fence before their flags. */
+            __threadfence_system();
+        }
+        __syncthreads();
+    }
 
     /* 3. Reduce the copies in rank order: every rank computes the same bits. */
-    using A = typename Acc<T>::type;
-    for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        A acc[kPer];
-        for (int r = 0; r < a.world; r++) {
-            U u = r == a.rank ? in[i]
-                              : load_cg(reinterpret_cast<const U *>(a.base[a.rank] + slot +
-                                                                    (size_t)r * a.sub_bytes) + i);
-            const T *v = reinterpret_cast<const T *>(&u);
-#pragma unroll
-            for (int k = 0; k < kPer; k++)
-                acc[k] = r == 0 ? to_acc(v[k]) : combine<T, OP>(acc[k], to_acc(v[k]));
-        }
-        U res;
-        T *o = reinterpret_cast<T *>(&res);
-#pragma unroll
-        for (int k = 0; k < kPer; k++) {
-            A x = acc[k];
-            if (OP == DDPC_AVG) x = x / (A)a.world;
-            o[k] = from_acc<T>(x);
-        }
-        out[i] = res;
+    if (!failed) {
+        if (VEC)
+            for (size_t i = lo16 + t; i < vhi; i += blockDim.x)
+                reinterpret_cast<uint4 *>(out)[i] = reduce_unit<T, OP, uint4>(
+                    a, reinterpret_cast<const uint4 *>(in), slot, i);
+        for (size_t i = tail + t; i < ehi; i += blockDim.x)
+            out[i] = reduce_unit<T, OP, T>(a, in, slot, i);
     }
-    if (b == 0 && threadIdx.x == 0) a.ctl->done_epoch = a.epoch;
+
+    /* 4. The last block to finish (failed or not) tells the host the call is over. */
+    __syncthreads();
+    if (t == 0) {
+        __threadfence();
+        unsigned int *done = reinterpret_cast<unsigned int *>(a.base[a.rank] +
+                                                              DDPC_FAST_COUNTER_OFFSET);
+        if (atomicAdd(done, 1u) == gridDim.x - 1) {
+            atomicExch(done, 0u);
+            a.ctl->done_epoch = (uint32_t)a.epoch;
+            __threadfence_system();
+        }
+    }
 }
 
 template <typename T, int OP>
 cudaError_t launch_op(const DdpcFastArgs &a, cudaStream_t s) {
     const size_t bytes = a.count * sizeof(T);
-    const bool vec = bytes % 16 == 0 && ((uintptr_t)a.in | (uintptr_t)a.out) % 16 == 0;
-    const size_t units = vec ? bytes / 16 : a.count;
+    const size_t units16 = (bytes + 15) / 16;
+    const bool vec = ((uintptr_t)a.in | (uintptr_t)a.out) % 16 == 0;
     const size_t per_block = (size_t)kThreads * kUnitsPerThread;
-    int blocks = (int)((units + per_block - 1) / per_block);
+    int blocks = (int)((units16 + per_block - 1) / per_block);
     blocks = blocks < 1 ? 1 : blocks > DDPC_FAST_MAX_BLOCKS ? DDPC_FAST_MAX_BLOCKS : blocks;
     if (vec)
-        fast_allreduce_kernel<T, OP, uint4><<<blocks, kThreads, 0, s>>>(a, units);
+        fast_allreduce_kernel<T, OP, true><<<blocks, kThreads, 0, s>>>(a, units16);
     else
-        fast_allreduce_kernel<T, OP, T><<<blocks, kThreads, 0, s>>>(a, units);
+        fast_allreduce_kernel<T, OP, false><<<blocks, kThreads, 0, s>>>(a, units16);
     return cudaGetLastError();
 }
 

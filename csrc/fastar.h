@@ -31,14 +31,22 @@ extern "C" {
 
 enum { DDPC_FAST_OK = 0, DDPC_FAST_TIMEOUT = 1, DDPC_FAST_MISMATCH = 2, DDPC_FAST_ABORTED = 3 };
 
+/* A flag is (epoch << DDPC_FAST_COUNT_BITS) | count: epochs never wrap in practice (2^44 calls),
+ * so a flag left from an old call is always below the one awaited, and a message of at most
+ * DDPC_FAST_MAX_BYTES has at most 2^19 elements, so the count fits exactly. */
+#define DDPC_FAST_COUNT_BITS 20
+/* Where in the flags area each rank keeps its count of finished blocks of the current call. */
+#define DDPC_FAST_COUNTER_OFFSET (DDPC_FAST_FLAGS_BYTES - 8)
+
 /* In pinned host memory mapped into the device: the kernel reports here, the host aborts here. */
 typedef struct DdpcFastCtl {
-    volatile uint32_t abort;      /* set by the host: waiting kernels give up */
-    volatile uint32_t done_epoch; /* the last call whose block 0 finished */
-    volatile uint32_t err_code;   /* DDPC_FAST_*: the first failure (later ones are not kept) */
-    volatile uint32_t err_epoch;  /* the call that failed */
+    volatile uint32_t abort;      /* set by the host: kernels give up (and skip a call not begun) */
+    volatile uint32_t done_epoch; /* low 32 bits of the last call all of whose blocks finished */
+    volatile uint32_t claim;      /* taken by the first block that reports a failure */
+    volatile uint32_t err_code;   /* DDPC_FAST_*, written after the details below */
+    volatile uint32_t err_epoch;  /* low 32 bits of the call that failed */
     volatile int32_t err_peer;    /* the rank it waited for */
-    volatile uint32_t err_peer_count; /* mismatch: the element count that peer passed (low 32) */
+    volatile uint32_t err_peer_count; /* mismatch: the element count that peer passed */
 } DdpcFastCtl;
 
 typedef struct DdpcFastArgs {
@@ -47,7 +55,7 @@ typedef struct DdpcFastArgs {
     void *out;
     size_t count;                 /* elements */
     size_t sub_bytes;             /* each rank's share of a slot */
-    uint32_t epoch;               /* 1, 2, 3, ... per call; the same on every rank */
+    uint64_t epoch;               /* 1, 2, 3, ... per call; the same on every rank */
     int rank, world;
     int dtype, redop;             /* ddpc_dtype, ddpc_redop */
     DdpcFastCtl *ctl;             /* device pointer of the control block */

@@ -1350,12 +1350,15 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
         int in_slot = grad == PyList_GET_ITEM(h->views, i) && grad != Py_None;
         Py_DECREF(grad); /* compared by identity only; the parameter keeps it alive */
         if (in_slot) {
+            /* Held across the GIL release below: another thread may rebuild the buckets. */
             ReducerObject *r = h->reducer;
-            if (!reducer_ready(r)) return NULL;
+            Py_INCREF(r);
+            PyObject *ret = NULL;
+            if (!reducer_ready(r)) goto done;
             if (i >= r->nparams) {
                 PyErr_Format(PyExc_ValueError, "gradient hook %zd: the reducer has %d parameters",
                              i, r->nparams);
-                return NULL;
+                goto done;
             }
             ddpc_status st;
             uintptr_t stream = (uintptr_t)h->stream;
@@ -1367,9 +1370,13 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
             if (st != DDPC_OK) {
                 raise_status(state_of_type(Py_TYPE(r)), st);
                 name_parameter_error(h, i);
-                return NULL;
+                goto done;
             }
-            Py_RETURN_NONE;
+            ret = Py_None;
+            Py_INCREF(ret);
+        done:
+            Py_DECREF(r);
+            return ret;
         }
     }
     return PyObject_CallFunctionObjArgs(h->slow, p, self->index_obj, NULL);

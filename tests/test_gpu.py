@@ -336,6 +336,27 @@ def _w_fast(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dict[
             if not torch.all(t == want).item():
                 failures.append(f"call {i} alternating streams holds {t[0].item()}, expected {want}")
                 break
+    # Ranks whose buffers differ in alignment (rank 1's starts 4 bytes into its storage) split
+    # the message the same way: every block covers the same bytes everywhere.
+    for n in (1025, 4096 + 7, 65536):
+        base = torch.zeros(n + 1, device=dev)
+        t = base[rank % 2:rank % 2 + n]
+        t.copy_(torch.arange(n, device=dev, dtype=torch.float32) * (rank + 1))
+        ddpc.all_reduce(t)
+        want = torch.arange(n, device=dev, dtype=torch.float32) * sum(range(1, world + 1))
+        if not torch.equal(t, want):
+            bad = int((t != want).nonzero()[0])
+            failures.append(f"all_reduce of {n} floats with rank-dependent alignment: element "
+                            f"{bad} is {t[bad].item()}, expected {want[bad].item()}")
+    # A synchronous call on a tensor whose async all_reduce is still in flight runs after it.
+    x = torch.full((1 << 16,), float(rank + 1), device=dev)   # 256 KiB: the one-shot size
+    w = ddpc.all_reduce(x, async_op=True)                      # async: NCCL
+    ddpc.all_reduce(x)
+    w.wait()
+    want = float(world * sum(range(1, world + 1)))
+    if not torch.all(x == want).item():
+        failures.append(f"async then sync all_reduce of one tensor gave {x.unique()[:4].tolist()}, "
+                        f"expected {want}: the second ran before the first finished")
     big = torch.full((4 << 20,), float(rank + 1), device=dev)
     work = ddpc.all_reduce(big, async_op=True)       # NCCL, on the communication stream
     small = torch.full((1000,), float(rank + 1), device=dev)

@@ -217,8 +217,24 @@ def sc_rebuild_none(rank):
             "same_grads": all(p.grad is not None for p in model.parameters())}
 
 
+def sc_unused_counts(rank):
+    """Parameters of a bucket that never get a gradient stay "unused" in the reducer's record of
+    the step, even though their slots were attached (zeroed) when the bucket's first gradient
+    arrived: the first-step layout is planned from that record."""
+    import ddpc
+    torch.manual_seed(0)
+    model = Lazy()
+    wrapped = ddpc.wrap_model(model, bucket_cap_mb=25)  # one bucket holds every parameter
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    wrapped(x, 0).sum().backward()
+    order, counts = wrapped._reducer.observed_order()
+    names = wrapped._names
+    return {"counts": dict(zip(names, counts)), "seen": sorted(names[i] for i in order if i >= 0),
+            "head_b_grads": [float(p.grad.abs().sum()) for p in model.head_b.parameters()]}
+
+
 SCENARIOS = [("broadcast", sc_broadcast), ("rebuild", sc_rebuild), ("lazy", sc_lazy),
-             ("rebuild_none", sc_rebuild_none)]
+             ("rebuild_none", sc_rebuild_none), ("unused_counts", sc_unused_counts)]
 
 
 def _worker(rank, port, results):
@@ -266,6 +282,15 @@ def test_rebuild_after_set_to_none_keeps_no_old_buffers(runs):
         assert r["alive_at_alloc"] and max(r["alive_at_alloc"]) == 0, r
         assert r["alive"] == 0, r
         assert r["same_grads"], r
+
+
+def test_attached_but_unused_parameters_count_as_unused(runs):
+    for r in result(runs, "unused_counts"):
+        unused = {n: c for n, c in r["counts"].items() if n.startswith("head_b")}
+        assert unused and all(c == 0 for c in unused.values()), r
+        assert all(c == 1 for n, c in r["counts"].items() if not n.startswith("head_b")), r
+        assert not any(n.startswith("head_b") for n in r["seen"]), r
+        assert r["head_b_grads"] == [0.0, 0.0], r  # unused parameters get zero gradients
 
 
 def test_buckets_of_none_gradients_are_freed_until_backward_needs_them(runs):

@@ -235,6 +235,7 @@ class DistributedModel(torch.nn.Module):
         self._grad_dtype = grad_dtype
         self._require_sync = True
         self._active = False           # a synced step is prepared and not yet finalized
+        self._attached: set = set()    # params given a zeroed slot by their bucket's first grad
         self._finalize_queued = False
         self._synced_forward = False   # the last forward with autograd on was outside no_sync
         self._rebuild_pending = True   # the first synced step observes the gradient order
@@ -402,11 +403,13 @@ class DistributedModel(torch.nn.Module):
                     # A synced backward: the bucket's other gradients are still to come. Pointed
                     # at their zeroed slots now, autograd accumulates them into the bucket in
                     # place, and their hooks find them there, with no copy and no Python work.
-                    # (Parameters this rank does not use end with zeros, as they would anyway.)
+                    # (Parameters this rank does not use end with zeros, as they would anyway;
+                    # _attached lets the end of backward still count them as unused.)
                     params, views = self._params, self._views
                     for j in self._members[b]:
                         if j != i and params[j].grad is None:
                             params[j].grad = views[j]
+                            self._attached.add(j)
             view = self._views[i]
         return view
 
@@ -414,7 +417,7 @@ class DistributedModel(torch.nn.Module):
         """Tells the C hooks the current reducer, views and stream, and whether a synced
         backward with its end queued is running (only then may they mark gradients ready on
         their own)."""
-        h = getattr(self, "_grad_hooks", None)
+        h = self.__dict__.get("_grad_hooks")  # (getattr would fall through to the module)
         if h is None:
             return
         h.reducer = self._reducer
@@ -487,11 +490,14 @@ class DistributedModel(torch.nn.Module):
                 self._params[i].grad = self._views[i]
 
     def _arm(self) -> None:
+        # Reset before prepare(), which raises when the previous backward never finished.
+        self._active = False
+        self._finalize_queued = False
+        self._attached = set()
         self._fwd_stream = self._stream()
+        self._sync_hooks()
         self._reducer.prepare()
         self._active = True
-        self._finalize_queued = False
-        self._sync_hooks()
 
     def _queue_finalize(self) -> None:
         if self._finalize_queued:
@@ -527,11 +533,14 @@ class DistributedModel(torch.nn.Module):
                 # No gradient of this bucket arrived on this rank, but every rank reduces every
                 # bucket: zeros, for the ranks that did use these parameters.
                 self._allocate_bucket(b)
+        attached = self._attached
         for i in reducer.unready():
             p, view = self._params[i], self._views[i]
             g = p.grad
-            if g is None:
-                p.grad = view  # the reducer zeroes the slot
+            if g is None or (g is view and i in attached):
+                # Unused this step (its slot was attached, zeroed, when its bucket's first
+                # gradient arrived, and nothing was added): the reducer zeroes the slot.
+                p.grad = view
                 continue
             if g is not view:
                 with torch.no_grad():
