@@ -1171,40 +1171,52 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
     mine.ok = !why[0];
     ddpc_group_key(g, key, sizeof key, "fast/vote/%d", g->rank);
     DDPC_CHECK(ddpc_store_set(g->store, key, &mine, sizeof mine));
-    int all_ok = 1, votes_ok = 1;
+    int all_ok = 1;
+    FastVote *votes = calloc((size_t)g->world, sizeof *votes);
+    if (!votes) return ddpc_error(DDPC_ERR_NOMEM, "out of host memory reading the fast votes");
     for (int r = 0; r < g->world; r++) {
         void *val = NULL;
         size_t len = 0;
         ddpc_group_key(g, key, sizeof key, "fast/vote/%d", r);
-        DDPC_CHECK(fast_get(g, key, deadline, &val, &len));
-        FastVote v;
-        if (len != sizeof v) {
+        ddpc_status st = fast_get(g, key, deadline, &val, &len);
+        if (st != DDPC_OK) {
+            free(votes);
+            return st;
+        }
+        if (len != sizeof votes[r]) {
             free(val);
+            free(votes);
             return ddpc_error(DDPC_ERR_PROTOCOL, "%s holds %zu bytes, not %zu: another job "
                               "shares this store prefix, or the ranks run different ddpc builds",
-                              key, len, sizeof v);
+                              key, len, sizeof(FastVote));
         }
-        memcpy(&v, val, sizeof v);
+        memcpy(&votes[r], val, sizeof votes[r]);
         free(val);
-        v.host[sizeof v.host - 1] = '\0';
-        if (!v.ok) {
+        FastVote *v = &votes[r];
+        v->host[sizeof v->host - 1] = '\0';
+        if (!v->ok) {
             if (all_ok && !why[0]) snprintf(why, sizeof why, "rank %d cannot use it", r);
-            all_ok = votes_ok = 0;
-        } else if (strcmp(v.host, mine.host)) {
+            all_ok = 0;
+        } else if (strcmp(v->host, mine.host)) {
             if (all_ok && !why[0]) snprintf(why, sizeof why, "rank %d is on another host", r);
-            all_ok = votes_ok = 0;
-        } else if (all_ok && r != g->rank) {
-            cudaError_t e = cudaIpcOpenMemHandle((void **)&f->peer[r], v.handle,
-                                                 cudaIpcMemLazyEnablePeerAccess);
-            if (e != cudaSuccess) {
-                (void)cudaGetLastError();
-                f->peer[r] = NULL;
-                snprintf(why, sizeof why, "mapping rank %d's memory failed: %s", r,
-                         cudaGetErrorString(e));
-                all_ok = 0;
-            }
+            all_ok = 0;
         }
     }
+    /* Only when every vote is yes does any rank map a peer's region. */
+    const int votes_ok = all_ok;
+    for (int r = 0; r < g->world && all_ok; r++) {
+        if (r == g->rank) continue;
+        cudaError_t e = cudaIpcOpenMemHandle((void **)&f->peer[r], votes[r].handle,
+                                             cudaIpcMemLazyEnablePeerAccess);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            f->peer[r] = NULL;
+            snprintf(why, sizeof why, "mapping rank %d's memory failed: %s", r,
+                     cudaGetErrorString(e));
+            all_ok = 0;
+        }
+    }
+    free(votes);
     /* Second vote: did every rank map every other one? */
     char yes = all_ok ? '1' : '0';
     ddpc_group_key(g, key, sizeof key, "fast/mapped/%d", g->rank);
@@ -1255,10 +1267,9 @@ static void fast_teardown(NcclImpl *im) {
     int quiet = f->ctl->done_epoch == (uint32_t)f->epoch;
     if (!quiet) {
         f->ctl->abort = 1; /* a call not yet begun touches no peer; a waiting one gives up */
-        cudaError_t e = cudaEventRecord(f->chain, (cudaStream_t)f->last_stream);
+        cudaError_t e;
         int64_t until = ddpc_now_ms() + 5000;
-        while (e == cudaSuccess && (e = cudaEventQuery(f->chain)) == cudaErrorNotReady &&
-               ddpc_now_ms() < until)
+        while ((e = cudaEventQuery(f->chain)) == cudaErrorNotReady && ddpc_now_ms() < until)
             sleep_us(POLL_MAX_US);
         (void)cudaGetLastError();
         quiet = e == cudaSuccess;
@@ -1304,14 +1315,19 @@ static ddpc_status nccl_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *a, uint
     if (!f || a->device != im->device || a->count == 0 || !ddpc_fast_supported(a->dtype, a->redop) ||
         a->count > f->max_bytes / (esize ? esize : 1))
         return DDPC_OK;
-    /* A stream being captured into a CUDA graph: a replay would reuse this call's epoch, so the
-     * capture gets NCCL, which supports graphs. (A failing query means no capture to worry about:
-     * an invalid stream fails loudly in the launch.) */
-    enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing((cudaStream_t)a->stream, &capture) != cudaSuccess)
-        (void)cudaGetLastError();
-    if (capture != cudaStreamCaptureStatusNone) return DDPC_OK;
     *ran = 1;
+    /* Inside CUDA graph capture neither path works (a replay would repeat this call's epoch, and
+     * the NCCL path's watchdog cannot query captured events): refuse it before touching a peer. */
+    enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cudaError_t qe = cudaStreamIsCapturing((cudaStream_t)a->stream, &capture);
+    if (qe != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+        (void)cudaGetLastError();
+        return ddpc_error(DDPC_ERR_INVALID,
+                          "all_reduce #%llu on rank %d: the stream is being captured into a CUDA "
+                          "graph (%s), and ddpc's collectives cannot be captured: call them "
+                          "outside the capture", (unsigned long long)seq, g->rank,
+                          qe != cudaSuccess ? cudaGetErrorString(qe) : "capture in progress");
+    }
     if (atomic_load(&g->aborted)) return aborted_error(im, "all_reduce");
     DDPC_CHECK(fast_check(im));
     char what[160];
@@ -1324,8 +1340,7 @@ static ddpc_status nccl_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *a, uint
     if (prev != im->device) DDPC_CUDACHECK_GOTO(cudaSetDevice(im->device), st, fail);
     if (f->have_last && f->last_stream != a->stream) {
         /* The previous call ran on another stream: this one must not overtake it (the slots and
-         * flags assume the calls of a rank run one after the other). */
-        DDPC_CUDACHECK_GOTO(cudaEventRecord(f->chain, (cudaStream_t)f->last_stream), st, fail);
+         * flags assume the calls of a rank run one after the other). f->chain marks its end. */
         DDPC_CUDACHECK_GOTO(cudaStreamWaitEvent((cudaStream_t)a->stream, f->chain, 0), st, fail);
     }
     /* Collectives posted earlier (async, on the communication stream) come first, as they would
@@ -1364,6 +1379,9 @@ static ddpc_status nccl_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *a, uint
     c->dtype = a->dtype;
     c->redop = a->redop;
     DDPC_CHECK_GOTO(ddpc_fast_launch(&fa, a->stream), st, fail);
+    /* Marks this call's end, for the next call on another stream and for teardown, without ever
+     * touching an older stream (its owner may have destroyed it since). */
+    DDPC_CUDACHECK_GOTO(cudaEventRecord(f->chain, (cudaStream_t)a->stream), st, fail);
     f->epoch = fa.epoch;
     atomic_store(&f->issued, (uint32_t)fa.epoch);
     f->last_stream = a->stream;
@@ -1648,6 +1666,11 @@ static void nccl_destroy(DdpcGroup *g) {
             sleep_us(POLL_MAX_US);
             pthread_mutex_lock(&im->mu);
         }
+        /* A fast call that failed just now: abort the group (and tell the peers) before the
+         * watchdog, which would have done it, is gone. */
+        pthread_mutex_unlock(&im->mu);
+        if (im->fast) (void)fast_check(im);
+        pthread_mutex_lock(&im->mu);
         im->stop = 1;
         pthread_cond_signal(&im->cv);
         pthread_mutex_unlock(&im->mu);
@@ -1656,7 +1679,6 @@ static void nccl_destroy(DdpcGroup *g) {
     int device = im->device, prev = -1;
     CUDA_LOG(cudaGetDevice(&prev));
     if (prev != device) CUDA_LOG(cudaSetDevice(device));
-    fast_teardown(im);
     pthread_mutex_lock(&im->mu);
     DdpcWork *list = im->head;
     im->head = im->tail = NULL;
@@ -1674,6 +1696,8 @@ static void nccl_destroy(DdpcGroup *g) {
             close_comm(im, comm);
         }
     }
+    /* After the communicator: fast calls queued behind a stuck NCCL work can drain now. */
+    fast_teardown(im);
     complete_list(im, list, DDPC_ERR_PEER,
                   "the process group was destroyed while it was in flight");
     /* Works still referenced elsewhere give their events back to no pool from now on. */

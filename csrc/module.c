@@ -958,8 +958,7 @@ static PyObject *Reducer_prepare(ReducerObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* Called from a gradient hook once per parameter per step: no tuple, and the GIL is kept unless
- * this call launches a collective. */
+/* Called from a gradient hook once per parameter per step: no tuple. */
 static PyObject *Reducer_mark_ready(ReducerObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 1 || nargs > 2) {
         PyErr_Format(PyExc_TypeError, "mark_ready(i, stream=0) takes 1 or 2 arguments, got %zd",
@@ -981,12 +980,9 @@ static PyObject *Reducer_mark_ready(ReducerObject *self, PyObject *const *args, 
                      self->nparams);
         return NULL;
     }
-    ddpc_status st;
-    if (ddpc_reducer_mark_would_launch(self->r, (int)i)) {
-        DDPC_NOGIL(st, ddpc_reducer_mark_ready(self->r, (int)i, stream));
-    } else {
-        st = ddpc_reducer_mark_ready(self->r, (int)i, stream);
-    }
+    /* The GIL stays held, even when this launches a collective (a short, non-blocking post):
+     * close() from another thread could otherwise free the reducer under this call. */
+    ddpc_status st = ddpc_reducer_mark_ready(self->r, (int)i, stream);
     if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
     Py_RETURN_NONE;
 }
@@ -1344,40 +1340,43 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
     PyObject *p = PyTuple_GET_ITEM(args, 0);
     GradHooksObject *h = self->hooks;
     Py_ssize_t i = self->index;
-    if (h->fast && h->reducer && h->views && i < PyList_GET_SIZE(h->views)) {
+    if (h->fast && h->reducer && h->views) {
+        /* Own references first: reading .grad may run Python (a Tensor subclass), which may
+         * change the hooks' state. The GIL stays held throughout, so Reducer.close() (a rebuild
+         * on another thread) cannot run while this marks a gradient ready. */
+        ReducerObject *r = h->reducer;
+        PyObject *views = h->views;
+        Py_INCREF(r);
+        Py_INCREF(views);
+        PyObject *ret = NULL;
+        int handled = 1;
         PyObject *grad = PyObject_GetAttr(p, g_str_grad);
-        if (!grad) return NULL;
-        int in_slot = grad == PyList_GET_ITEM(h->views, i) && grad != Py_None;
+        if (!grad) goto done;
+        int in_slot = i < PyList_GET_SIZE(views) && grad == PyList_GET_ITEM(views, i) &&
+                      grad != Py_None;
         Py_DECREF(grad); /* compared by identity only; the parameter keeps it alive */
-        if (in_slot) {
-            /* Held across the GIL release below: another thread may rebuild the buckets. */
-            ReducerObject *r = h->reducer;
-            Py_INCREF(r);
-            PyObject *ret = NULL;
-            if (!reducer_ready(r)) goto done;
-            if (i >= r->nparams) {
-                PyErr_Format(PyExc_ValueError, "gradient hook %zd: the reducer has %d parameters",
-                             i, r->nparams);
-                goto done;
-            }
-            ddpc_status st;
-            uintptr_t stream = (uintptr_t)h->stream;
-            if (ddpc_reducer_mark_would_launch(r->r, (int)i)) {
-                DDPC_NOGIL(st, ddpc_reducer_mark_ready(r->r, (int)i, stream));
-            } else {
-                st = ddpc_reducer_mark_ready(r->r, (int)i, stream);
-            }
-            if (st != DDPC_OK) {
-                raise_status(state_of_type(Py_TYPE(r)), st);
-                name_parameter_error(h, i);
-                goto done;
-            }
-            ret = Py_None;
-            Py_INCREF(ret);
-        done:
-            Py_DECREF(r);
-            return ret;
+        if (!in_slot) {
+            handled = 0;
+            goto done;
         }
+        if (!reducer_ready(r)) goto done;
+        if (i >= r->nparams) {
+            PyErr_Format(PyExc_ValueError, "gradient hook %zd: the reducer has %d parameters", i,
+                         r->nparams);
+            goto done;
+        }
+        ddpc_status st = ddpc_reducer_mark_ready(r->r, (int)i, (uintptr_t)h->stream);
+        if (st != DDPC_OK) {
+            raise_status(state_of_type(Py_TYPE(r)), st);
+            name_parameter_error(h, i);
+            goto done;
+        }
+        ret = Py_None;
+        Py_INCREF(ret);
+    done:
+        Py_DECREF(views);
+        Py_DECREF(r);
+        if (handled) return ret;
     }
     return PyObject_CallFunctionObjArgs(h->slow, p, self->index_obj, NULL);
 }
