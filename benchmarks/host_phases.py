@@ -10,7 +10,7 @@ both ranks run them so the collectives stay matched).
 When the backward's host time approaches the step time, the step is bound by the host launching
 kernels, and any per-parameter Python work in the wrapper adds to the step directly.
 """
-import cProfile, io, os, pstats, socket, sys, time
+import cProfile, io, os, pstats, sys, time
 import torch, torch.nn.functional as F
 import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # ddp_step.py: the model
@@ -93,12 +93,8 @@ def worker(rank, world, ports, out):
     dist.destroy_process_group()
     ddpc.destroy_process_group()
 
-def fp():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
-
 if __name__ == "__main__":
-    ctx = mp.get_context("spawn"); out = ctx.Queue(); ports = (fp(), fp())
+    ctx = mp.get_context("spawn"); out = ctx.Queue(); ports = (ddp_step.free_port(), ddp_step.free_port())
     ps = [ctx.Process(target=worker, args=(r, 2, ports, out)) for r in range(2)]
     [p.start() for p in ps]
     res = out.get(timeout=300)

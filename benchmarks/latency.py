@@ -13,7 +13,6 @@ Rank 0 prints, per size, in us per call:
 """
 import argparse
 import os
-import socket
 import sys
 import time
 
@@ -22,6 +21,8 @@ import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ddp_step import free_port  # noqa: E402  (same folder)
 
 
 def per_call(fn, n, sync):
@@ -74,12 +75,6 @@ def worker(rank, world, ports, args, out):
         out.put(rows)
     dist.destroy_process_group()
     ddpc.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():

@@ -12,7 +12,6 @@ with no kernel at all.
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 
@@ -154,12 +153,6 @@ def worker(rank, world, port, torch_port, args, out):
     ddpc.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=2)
@@ -174,7 +167,7 @@ def main():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     # Every rank must see the same two ports: draw them once.
-    ports = (free_port(), free_port())
+    ports = (ddp_step.free_port(), ddp_step.free_port())
     procs = [ctx.Process(target=worker, args=(r, args.nproc, ports[0], ports[1], args, out))
              for r in range(args.nproc)]
     for pr in procs:

@@ -388,11 +388,14 @@ def _w_fast_mismatch(rank: int, world: int, ddpc: Any, torch: Any,
 # ------------------------------------------------------------------------- tests
 
 
-@needs_2
-def test_fast_small_all_reduce():
-    res = _run_ranks(_w_fast)
+def _assert_no_failures(res: Dict[int, Dict[str, Any]]) -> None:
     for r, out in res.items():
         assert not out["failures"], f"rank {r}:\n" + "\n".join(out["failures"])
+
+
+@needs_2
+def test_fast_small_all_reduce():
+    _assert_no_failures(_run_ranks(_w_fast))
 
 
 @needs_2
@@ -407,16 +410,12 @@ def test_fast_all_reduce_size_mismatch_raises():
 
 @needs_2
 def test_every_collective_and_dtype():
-    res = _run_ranks(_w_collectives)
-    for r, out in res.items():
-        assert not out["failures"], f"rank {r}:\n" + "\n".join(out["failures"])
+    _assert_no_failures(_run_ranks(_w_collectives))
 
 
 @needs_2
 def test_stream_ordering_and_async():
-    res = _run_ranks(_w_streams)
-    for r, out in res.items():
-        assert not out["failures"], f"rank {r}:\n" + "\n".join(out["failures"])
+    _assert_no_failures(_run_ranks(_w_streams))
 
 
 @needs_2
