@@ -533,6 +533,7 @@ def _bench_worker(rank: int, world: int, port: int, token: str, torch_port: int,
 
         result["seconds"] = _time_loop(torch, once, iters)
         result["correct"] = bool(torch.all(x == 1.0).item())
+        result["fast_max_bytes"] = group.fast_max_bytes
         group.destroy()
         store.close()
         import torch.distributed as dist
@@ -616,6 +617,14 @@ def check_bandwidth(rep: Report, visible: Sequence[Gpu], nccl: Optional[str], to
                                "P2P above and NCCL_P2P_DISABLE / NCCL_SHM_DISABLE in the environment")
     else:
         rep.verdict("OK", f"cuda:0 <-> cuda:1 all-reduce runs at {busbw:.1f} GB/s bus bandwidth")
+    fast = min(r.get("fast_max_bytes", 0) for r in results)
+    if fast:
+        rep.verdict("OK", f"small all-reduces (up to {fast // 1024} KiB) take ddpc's one-shot "
+                          "kernel over CUDA IPC, a few microseconds each")
+    else:
+        rep.verdict("NOTE", "small all-reduces go through NCCL (the one-shot kernel is off: "
+                            "NCCL_P2P_DISABLE, DDPC_FAST_ALLREDUCE=0, no P2P between the GPUs, or "
+                            "ranks on different hosts; DDPC_DEBUG=INFO says which)")
 
 
 # ------------------------------------------------------------------------- main
