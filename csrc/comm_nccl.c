@@ -1330,10 +1330,6 @@ static ddpc_status nccl_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *a, uint
     }
     if (atomic_load(&g->aborted)) return aborted_error(im, "all_reduce");
     DDPC_CHECK(fast_check(im));
-    char what[160];
-    snprintf(what, sizeof what, "all_reduce #%llu (%zu x %s, %s) on rank %d",
-             (unsigned long long)seq, a->count, ddpc_dtype_name(a->dtype),
-             ddpc_redop_name(a->redop), g->rank);
     ddpc_status st = DDPC_OK;
     int prev = -1;
     DDPC_CUDACHECK_GOTO(cudaGetDevice(&prev), st, fail);
@@ -1389,7 +1385,8 @@ static ddpc_status nccl_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *a, uint
     goto out;
 fail:
     /* The peers may already be waiting for this call: they must learn it will not come. */
-    ddpc_error_prefix(st, "%s: ", what);
+    ddpc_error_prefix(st, "all_reduce #%llu (%zu x %s, %s) on rank %d: ", (unsigned long long)seq,
+                      a->count, ddpc_dtype_name(a->dtype), ddpc_redop_name(a->redop), g->rank);
     request_abort(im, st, ddpc_last_error());
 out:
     if (prev >= 0 && prev != im->device) {
@@ -1518,8 +1515,9 @@ static ddpc_status aborted_error(NcclImpl *im, const char *what) {
 
 /* The NCCL part of a post. The work is already in the queue; on any failure the group is
  * aborted (a peer may already be inside this collective) and the watchdog completes the work. */
-static ddpc_status enqueue(NcclImpl *im, DdpcWork *w, const char *what) {
+static ddpc_status enqueue(NcclImpl *im, DdpcWork *w) {
     NcclWorkData *wd = w->backend_data;
+    char what[160]; /* described only on a failure: posts are on the training step's host path */
     const DdpcCollArgs *a = &w->args;
     ddpc_status st = DDPC_OK;
     ncclResult_t r = ncclSuccess;
@@ -1530,6 +1528,7 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w, const char *what) {
     pthread_mutex_lock(&im->comm_mu);
     if (!im->comm) {
         pthread_mutex_unlock(&im->comm_mu);
+        describe_work(w, what, sizeof what);
         return aborted_error(im, what);
     }
     if (call) r = issue(im, a, &name);
@@ -1543,6 +1542,7 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w, const char *what) {
     atomic_store(&wd->enqueued, 1);
     return DDPC_OK;
 fail:
+    describe_work(w, what, sizeof what);
     ddpc_error_prefix(st, "%s on rank %d: ", what, im->g->rank);
     request_abort(im, st, ddpc_last_error());
     return st;
@@ -1552,9 +1552,9 @@ static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
     NcclImpl *im = g->impl;
     const DdpcCollArgs *a = &w->args;
     ddpc_status st = DDPC_OK;
-    char what[160];
-    describe_work(w, what, sizeof what);
+    char what[160]; /* described only on a failure */
     if (a->op != DDPC_COLL_BARRIER && a->count > 0 && a->device != im->device) {
+        describe_work(w, what, sizeof what);
         char dev[32] = "host memory";
         if (a->device >= 0) snprintf(dev, sizeof dev, "cuda:%d", a->device);
         return ddpc_error(DDPC_ERR_INVALID,
@@ -1567,6 +1567,7 @@ static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
     if (prev != im->device) DDPC_CUDACHECK(cudaSetDevice(im->device));
     NcclWorkData *wd = calloc(1, sizeof *wd);
     if (!wd) {
+        describe_work(w, what, sizeof what);
         st = ddpc_error(DDPC_ERR_NOMEM, "%s: out of host memory", what);
         goto restore;
     }
@@ -1587,10 +1588,11 @@ static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
     im->tail = w;
     pthread_cond_signal(&im->cv);
     pthread_mutex_unlock(&im->mu);
-    st = enqueue(im, w, what);
+    st = enqueue(im, w);
     goto restore;
 
 fail_ev:
+    describe_work(w, what, sizeof what);
     ddpc_error_prefix(st, "%s on rank %d (the stream must belong to cuda:%d): ", what, g->rank,
                       im->device);
     pool_put(im, wd->done);

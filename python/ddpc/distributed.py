@@ -715,6 +715,17 @@ def broadcast(tensor: Any, src: int = 0, group: Any = None, async_op: bool = Fal
     return _run(g, _BROADCAST, None, b, b.count, 0, src, b.owner, async_op)
 
 
+def _check_world_multiple(op: str, big_name: str, big: _Buffer, small_name: str, small: _Buffer,
+                          world: int) -> None:
+    """The full-size side of an all_gather / reduce_scatter must hold world_size times the
+    per-rank side, in the same dtype."""
+    if big.count != small.count * world:
+        raise ValueError(f"{op}: {big_name} has {big.count} elements but needs world_size * "
+                         f"{small_name} = {world} * {small.count} = {world * small.count}")
+    if big.dtype != small.dtype:
+        raise TypeError(f"{op}: input and output dtypes differ")
+
+
 def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = None,
                            async_op: bool = False) -> Optional[Work]:
     """output_tensor (world_size * input.numel() elements) receives every rank's input in rank
@@ -722,11 +733,7 @@ def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = N
     g = _group(group)
     inp = _as_buffer(input_tensor, "all_gather: input", writable=False)
     out = _as_buffer(output_tensor, "all_gather: output")
-    if out.count != inp.count * g.world_size:
-        raise ValueError(f"all_gather: output has {out.count} elements but needs world_size * "
-                         f"input = {g.world_size} * {inp.count} = {g.world_size * inp.count}")
-    if out.dtype != inp.dtype:
-        raise TypeError("all_gather: input and output dtypes differ")
+    _check_world_multiple("all_gather", "output", out, "input", inp, g.world_size)
     return _run(g, _ALLGATHER, inp, out, inp.count, 0, 0, (inp.owner, out.owner), async_op)
 
 
@@ -787,11 +794,7 @@ def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM, group
     g = _group(group)
     inp = _as_buffer(input, "reduce_scatter: input", writable=False)
     out = _as_buffer(output, "reduce_scatter: output")
-    if inp.count != out.count * g.world_size:
-        raise ValueError(f"reduce_scatter: input has {inp.count} elements but needs world_size * "
-                         f"output = {g.world_size} * {out.count} = {g.world_size * out.count}")
-    if out.dtype != inp.dtype:
-        raise TypeError("reduce_scatter: input and output dtypes differ")
+    _check_world_multiple("reduce_scatter", "input", inp, "output", out, g.world_size)
     return _run(g, _REDUCE_SCATTER, inp, out, out.count, _reduce_op(op), 0,
                 (inp.owner, out.owner), async_op)
 
