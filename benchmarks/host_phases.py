@@ -10,28 +10,47 @@ both ranks run them so the collectives stay matched).
 When the backward's host time approaches the step time, the step is bound by the host launching
 kernels, and any per-parameter Python work in the wrapper adds to the step directly.
 """
+
 import cProfile, io, os, pstats, sys, time
 import torch, torch.nn.functional as F
 import torch.multiprocessing as mp
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # ddp_step.py: the model
 import ddp_step
 
+
 def worker(rank, world, ports, out):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), DDPC_TOKEN="diag")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(ports[0]),
+        DDPC_TOKEN="diag",
+    )
     import ddpc, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     torch.cuda.set_device(rank)
     torch.backends.cuda.matmul.allow_tf32 = True
     ddpc.init_process_group(backend="nccl")
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{ports[1]}",
+        rank=rank,
+        world_size=world,
+        device_id=torch.device("cuda", rank),
+    )
     dev = torch.device("cuda", rank)
     cfg = ddp_step.MODELS["gpt2"]
     res = {}
-    for name, wrap, none in [("1 GPU", lambda m: m, True), ("torch DDP", lambda m: DDP(m, device_ids=[rank]), True),
-                             ("ddpc", lambda m: ddpc.wrap_model(m), True),
-                             ("ddpc keep grads", lambda m: ddpc.wrap_model(m), False)]:
+    for name, wrap, none in [
+        ("1 GPU", lambda m: m, True),
+        ("torch DDP", lambda m: DDP(m, device_ids=[rank]), True),
+        ("ddpc", lambda m: ddpc.wrap_model(m), True),
+        ("ddpc keep grads", lambda m: ddpc.wrap_model(m), False),
+    ]:
         torch.manual_seed(0)
         with dev:
             m = ddp_step.GPT(cfg["layers"], cfg["width"], cfg["heads"], cfg["vocab"], cfg["seq"])
@@ -39,6 +58,7 @@ def worker(rank, world, ports, out):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         x = torch.randint(0, cfg["vocab"], (8, 1024), device=dev)
         phases = []
+
         def step():
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -54,26 +74,34 @@ def worker(rank, world, ports, out):
             torch.cuda.synchronize()
             t4 = time.perf_counter()
             return [1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2), 1e3 * (t4 - t0)]
+
         for _ in range(5):
             step()
         timers = {}
         if hasattr(model, "_attach_grads"):
             for meth in ("_attach_grads", "_arm", "_finalize", "_attach_sink", "_slot_for"):
                 orig = getattr(model, meth)
+
                 def timed(*a, _o=orig, _m=meth, **k):
                     t = time.perf_counter()
                     try:
                         return _o(*a, **k)
                     finally:
                         timers[_m] = timers.get(_m, 0.0) + time.perf_counter() - t
+
                 setattr(model, meth, timed)
         st0 = torch.cuda.memory_stats(dev)
         phases = [step() for _ in range(15)]
         st1 = torch.cuda.memory_stats(dev)
-        res[name + " mallocs/step"] = [(st1.get("num_device_alloc", -1) - st0.get("num_device_alloc", 0)) / 15,
-                                      (st1.get("num_alloc_retries", 0) - st0.get("num_alloc_retries", 0)) / 15,
-                                      st1["reserved_bytes.all.current"] / 2**20]
-        res[name + " ms/step in"] = [1e3 * timers.get(m, 0) / 15 for m in ("_attach_grads", "_arm", "_finalize", "_attach_sink", "_slot_for")]
+        res[name + " mallocs/step"] = [
+            (st1.get("num_device_alloc", -1) - st0.get("num_device_alloc", 0)) / 15,
+            (st1.get("num_alloc_retries", 0) - st0.get("num_alloc_retries", 0)) / 15,
+            st1["reserved_bytes.all.current"] / 2**20,
+        ]
+        res[name + " ms/step in"] = [
+            1e3 * timers.get(m, 0) / 15
+            for m in ("_attach_grads", "_arm", "_finalize", "_attach_sink", "_slot_for")
+        ]
         med = [sorted(p[k] for p in phases)[len(phases) // 2] for k in range(4)]
         res[name] = med
         if name == "ddpc":
@@ -93,13 +121,20 @@ def worker(rank, world, ports, out):
     dist.destroy_process_group()
     ddpc.destroy_process_group()
 
+
 if __name__ == "__main__":
-    ctx = mp.get_context("spawn"); out = ctx.Queue(); ports = (ddp_step.free_port(), ddp_step.free_port())
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    ports = (ddp_step.free_port(), ddp_step.free_port())
     ps = [ctx.Process(target=worker, args=(r, 2, ports, out)) for r in range(2)]
     [p.start() for p in ps]
     res = out.get(timeout=300)
     [p.join(60) for p in ps]
-    print("host ms (median of 15): forward+loss, backward, opt+zero, total after sync; mallocs/step: cudaMalloc, retries, reserved MiB; ms/step in attach_grads, arm, finalize, attach_sink, slot_for")
+    print(
+        "host ms (median of 15): forward+loss, backward, opt+zero, total after sync; "
+        "mallocs/step: cudaMalloc, retries, reserved MiB; "
+        "ms/step in attach_grads, arm, finalize, attach_sink, slot_for"
+    )
     for k, v in res.items():
         if k != "cprofile":
             print(f"{k:18s} " + " ".join(f"{x:7.2f}" for x in v))
