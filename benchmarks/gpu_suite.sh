@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, per-call latency, NCCL collectives, DDP step
-# benchmarks (NVLink and NCCL_P2P_DISABLE=1), a profiled step, doctor. Logs (8 files, the device
+# benchmarks (NVLink and NCCL_P2P_DISABLE=1), a profiled step, doctor; on a machine with one GPU,
+# the 1-GPU tests, the wrappers' cost at one rank, the main job and doctor. Logs (8 files, the device
 # tool's limit) go to $OUT (or ./gpu_out). Each stage has its own time limit and the script goes
 # on after a failing stage, so one run yields every result it can.
 set -u
@@ -17,13 +18,23 @@ stage() {  # stage NAME SECONDS CMD...
     tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
 nvidia-smi --query-gpu=index,name,pci.bus_id,memory.used,memory.total --format=csv,noheader
+NGPU=$(nvidia-smi -L | grep -c '^GPU')
 stage build 150 $PY -m pip install --no-build-isolation --no-deps -e .
-TAIL=6 stage gpu_tests 240 $PY -m pytest -m gpu -q -ra tests/test_gpu.py tests/test_gpu_wrap_model.py
-stage latency 90 $PY benchmarks/latency.py --nproc 2 --iters 1000 --max-bytes 1048576
-stage collectives 120 $PY benchmarks/collectives.py --backend nccl --nproc 2 --min-bytes 1024 \
-    --max-bytes 1073741824
-stage ddp_nvlink 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30
-NCCL_P2P_DISABLE=1 stage ddp_nop2p 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 \
-    --steps 30 --p2p off
-TAIL=40 stage profile 120 $PY benchmarks/profile_step.py --nproc 2 --steps 3 --timeline
+TAIL=6 stage gpu_tests 300 $PY -m pytest -m gpu -q -ra tests/test_gpu.py tests/test_gpu_wrap_model.py
+if [ "$NGPU" -ge 2 ]; then
+    stage latency 90 $PY benchmarks/latency.py --nproc 2 --iters 1000 --max-bytes 1048576
+    stage collectives 120 $PY benchmarks/collectives.py --backend nccl --nproc 2 --min-bytes 1024 \
+        --max-bytes 1073741824
+    stage ddp_nvlink 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30
+    NCCL_P2P_DISABLE=1 stage ddp_nop2p 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 \
+        --steps 30 --p2p off
+    TAIL=40 stage profile 120 $PY benchmarks/profile_step.py --nproc 2 --steps 3 --timeline
+else
+    # One GPU: no scaling to measure; what each wrapper costs a step with no peer to wait for,
+    # where that host time goes, and the README's main job on the GPU.
+    stage ddp_1gpu 150 $PY benchmarks/ddp_step.py --device cuda --nproc 1 --steps 40
+    TAIL=40 stage host_1gpu 150 $PY benchmarks/host_phases.py --nproc 1
+    TAIL=12 stage main_job 120 $PY -m ddpc.launch --nproc-per-node 1 examples/finetune.py
+    stage latency 60 $PY benchmarks/latency.py --nproc 1 --iters 1000 --max-bytes 1048576
+fi
 TAIL=30 stage doctor 30 $PY -m ddpc.doctor

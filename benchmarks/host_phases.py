@@ -5,7 +5,8 @@ zero_grad(set_to_none=False) (buckets kept between steps); for ddpc also the hos
 its per-step methods, the number of cudaMalloc calls per step, and a cProfile of 5 steps (rank 0,
 both ranks run them so the collectives stay matched).
 
-    python benchmarks/host_phases.py
+    python benchmarks/host_phases.py             # 2 GPUs
+    python benchmarks/host_phases.py --nproc 1   # one GPU: the wrappers' host cost alone
 
 When the backward's host time approaches the step time, the step is bound by the host launching
 kernels, and any per-parameter Python work in the wrapper adds to the step directly.
@@ -123,10 +124,17 @@ def worker(rank, world, ports, out):
 
 
 if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, default=2,
+                    help="ranks, one per GPU (1: the wrappers' host cost with no peer to wait for)")
+    nproc = ap.parse_args().nproc
+    if torch.cuda.device_count() < nproc:
+        sys.exit(f"--nproc {nproc} needs {nproc} visible GPUs, found {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     ports = (ddp_step.free_port(), ddp_step.free_port())
-    ps = [ctx.Process(target=worker, args=(r, 2, ports, out)) for r in range(2)]
+    ps = [ctx.Process(target=worker, args=(r, nproc, ports, out)) for r in range(nproc)]
     [p.start() for p in ps]
     res = out.get(timeout=300)
     [p.join(60) for p in ps]

@@ -37,6 +37,9 @@ def _torch_cuda() -> bool:
 
 
 needs_1 = pytest.mark.skipif(_gpu_count() < 1, reason="needs a CUDA build of ddpc and a GPU")
+needs_1_torch = pytest.mark.skipif(
+    _gpu_count() < 1 or not _torch_cuda(),
+    reason="needs a CUDA build of ddpc, a GPU and torch with CUDA")
 needs_2 = pytest.mark.skipif(
     _gpu_count() < 2 or not _torch_cuda(),
     reason="needs a CUDA build of ddpc, 2 visible GPUs and torch with CUDA")
@@ -179,14 +182,15 @@ def _w_collectives(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -
             ddpc.all_reduce(t, op=op)
             failures.append(_compare(torch, t, xs, op, f"all_reduce {op} {dtype}"))
         t = xs[rank].to(dev)
-        ddpc.broadcast(t, src=1)
-        if not torch.equal(t.cpu(), xs[1]):
-            failures.append(f"broadcast {dtype}: rank {rank} does not hold rank 1's tensor")
+        src = world - 1
+        ddpc.broadcast(t, src=src)
+        if not torch.equal(t.cpu(), xs[src]):
+            failures.append(f"broadcast {dtype}: rank {rank} does not hold rank {src}'s tensor")
         out = torch.empty(world * n, dtype=xs[0].dtype, device=dev)
         ddpc.all_gather_into_tensor(out, xs[rank].to(dev))
         if not torch.equal(out.cpu(), torch.cat(xs)):
             failures.append(f"all_gather_into_tensor {dtype}: wrong result")
-        big = [torch.cat([_input(torch, dtype, r, n), _input(torch, dtype, r + 5, n)])
+        big = [torch.cat([_input(torch, dtype, r + 5 * k, n) for k in range(world)])
                for r in range(world)]
         part = torch.empty(n, dtype=xs[0].dtype, device=dev)
         ddpc.reduce_scatter_tensor(part, big[rank].to(dev), op="sum")
@@ -200,13 +204,14 @@ def _w_collectives(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -
     if one.item() != sum(range(1, world + 1)):
         failures.append(f"all_reduce after a zero-element one gave {one.item()}")
     # A barrier holds every rank until the last arrives.
-    if rank == 1:
+    if rank == world - 1:
         time.sleep(1.0)
     t0 = time.monotonic()
     ddpc.barrier()
     waited = time.monotonic() - t0
-    if rank == 0 and waited < 0.7:
-        failures.append(f"barrier returned after {waited:.2f} s on rank 0 while rank 1 slept 1 s")
+    if rank == 0 and world > 1 and waited < 0.7:
+        failures.append(f"barrier returned after {waited:.2f} s on rank 0 while rank {world - 1} "
+                        "slept 1 s")
     return {"failures": [f for f in failures if f]}
 
 
@@ -408,14 +413,19 @@ def test_fast_all_reduce_size_mismatch_raises():
         assert out["after"] < 10, out
 
 
-@needs_2
-def test_every_collective_and_dtype():
-    _assert_no_failures(_run_ranks(_w_collectives))
+# One rank on one GPU runs the same code paths (NCCL communicator, communication stream, events,
+# watchdog) as two; it is what a machine with a single GPU can check.
+WORLDS = [pytest.param(1, marks=needs_1_torch, id="1gpu"), pytest.param(2, marks=needs_2, id="2gpu")]
 
 
-@needs_2
-def test_stream_ordering_and_async():
-    _assert_no_failures(_run_ranks(_w_streams))
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_collective_and_dtype(world):
+    _assert_no_failures(_run_ranks(_w_collectives, world=world))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_stream_ordering_and_async(world):
+    _assert_no_failures(_run_ranks(_w_streams, world=world))
 
 
 @needs_2

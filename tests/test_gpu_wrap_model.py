@@ -20,7 +20,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -30,20 +30,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 
 from ddpc import _C  # noqa: E402
 
-WORLD = 2
+WORLD = 2                # ranks of this process's run (set by _worker; the 1-GPU run uses 1)
 B = 8                    # per-rank batch
 SMALL = 2048 / 2 ** 20   # bucket_cap_mb of 2 KiB: several buckets, launched while backward runs
 
 
-def _gpus_ready() -> bool:
-    return bool(_C.cuda_built()) and _C.cuda_device_count() >= WORLD and torch.cuda.is_available()
+def _gpus_ready(n: int) -> bool:
+    return bool(_C.cuda_built()) and _C.cuda_device_count() >= n and torch.cuda.is_available()
 
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _gpus_ready(),
-                       reason="needs a CUDA build of ddpc, 2 visible GPUs and torch with CUDA"),
-]
+pytestmark = pytest.mark.gpu
 
 
 # ------------------------------------------------------------------ models and data
@@ -112,10 +108,11 @@ def mid_model() -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def batch(step: int, dev: torch.device, dtype=torch.float64, n: int = WORLD * B,
+def batch(step: int, dev: torch.device, dtype=torch.float64, n: Optional[int] = None,
           width: int = 16, out: int = 4) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The combined batch of a step, drawn in float64 on the host so every dtype and device sees
-    the same values."""
+    """The combined batch of a step (WORLD * B rows unless n says otherwise), drawn in float64 on
+    the host so every dtype and device sees the same values."""
+    n = WORLD * B if n is None else n
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(n, width, generator=g, dtype=torch.float64)
     y = torch.randn(n, out, generator=g, dtype=torch.float64)
@@ -447,10 +444,13 @@ SCENARIOS = [
 # ------------------------------------------------------------------ processes
 
 
-def _worker(rank: int, ports: Tuple[int, int], device_type: str, results: Any) -> None:
-    """One rank: joins a ddpc group and a torch.distributed group (for the DDP comparison), runs
-    every scenario and reports. device_type "cuda" is the test; "cpu" (cpu backend and gloo)
-    checks the scenarios themselves on a machine without GPUs."""
+def _worker(rank: int, world: int, ports: Tuple[int, int], device_type: str,
+            results: Any) -> None:
+    """One rank of `world`: joins a ddpc group and a torch.distributed group (for the DDP
+    comparison), runs every scenario and reports. device_type "cuda" is the test; "cpu" (cpu
+    backend and gloo) checks the scenarios themselves on a machine without GPUs."""
+    global WORLD
+    WORLD = world
     try:
         os.environ["DDPC_TOKEN"] = "test-gpu-wrap-model"
         torch.set_num_threads(1)
@@ -490,19 +490,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_all(device_type: str, wait: float = 240.0) -> Dict[int, Dict[str, Any]]:
-    """Runs every scenario on WORLD spawned ranks; {rank: {scenario: (status, value)}}."""
+def run_all(device_type: str, world: int = 2, wait: float = 240.0) -> Dict[int, Dict[str, Any]]:
+    """Runs every scenario on `world` spawned ranks; {rank: {scenario: (status, value)}}."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     ports = (_free_port(), _free_port())
-    procs = [ctx.Process(target=_worker, args=(r, ports, device_type, results), daemon=True)
-             for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, world, ports, device_type, results),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     got: Dict[int, Dict[str, Any]] = {}
     deadline = time.monotonic() + wait
     try:
-        while len(got) < WORLD and time.monotonic() < deadline:
+        while len(got) < world and time.monotonic() < deadline:
             try:
                 rank, out = results.get(timeout=1.0)
                 got[rank] = out
@@ -515,23 +515,32 @@ def run_all(device_type: str, wait: float = 240.0) -> Dict[int, Dict[str, Any]]:
             if p.is_alive():
                 p.kill()
                 p.join()
-    missing = sorted(set(range(WORLD)) - set(got))
+    missing = sorted(set(range(world)) - set(got))
     assert not missing, (f"rank(s) {missing} reported nothing within {wait:.0f} s (exit codes "
                          f"{[p.exitcode for p in procs]})")
-    for r in range(WORLD):
+    for r in range(world):
         status, value = got[r]["setup"]
         assert status == "ok", f"rank {r} could not join the groups:\n{value}"
     return got
 
 
-@pytest.fixture(scope="module")
-def runs() -> Dict[int, Dict[str, Any]]:
-    return run_all("cuda")
+# Two ranks on two GPUs is the test of data parallelism; one rank on one GPU runs the same
+# reducer, streams and NCCL calls (an all-reduce of one rank is a copy) and is what a machine
+# with a single GPU can check: its results must match one GPU's training.
+@pytest.fixture(scope="module", params=[
+    pytest.param(1, id="1gpu", marks=pytest.mark.skipif(
+        not _gpus_ready(1), reason="needs a CUDA build of ddpc, a GPU and torch with CUDA")),
+    pytest.param(2, id="2gpu", marks=pytest.mark.skipif(
+        not _gpus_ready(2), reason="needs a CUDA build of ddpc, 2 visible GPUs and torch with "
+                                   "CUDA")),
+])
+def runs(request) -> Dict[int, Dict[str, Any]]:
+    return run_all("cuda", world=request.param)
 
 
 def result(runs: Dict[int, Dict[str, Any]], name: str) -> List[Any]:
     outs = []
-    for rank in range(WORLD):
+    for rank in range(len(runs)):
         status, value = runs[rank][name]
         assert status == "ok", f"rank {rank} failed in scenario {name}:\n{value}"
         outs.append(value)
@@ -588,12 +597,15 @@ def check_bf16(runs: Dict[int, Dict[str, Any]]) -> None:
 
 
 def check_amp(runs: Dict[int, Dict[str, Any]]) -> None:
-    r0, r1 = result(runs, "amp")
-    assert r1["scale_after_wrap"] == [1.0] * 4  # rank 1's 5.0 was replaced by rank 0's buffer
-    assert r0["scale"] == r1["scale"] == [1.0] * 4
-    assert r0["running_mean"] == r1["running_mean"]
-    assert r0["norms"] == r1["norms"] and r0["norms"][0] > 0
-    assert r0["params"] == r1["params"]
+    r0, *others = result(runs, "amp")
+    assert r0["scale_after_wrap"] == r0["scale"] == [1.0] * 4
+    assert r0["norms"][0] > 0
+    for r in others:
+        assert r["scale_after_wrap"] == [1.0] * 4  # rank 1's 5.0 was replaced by rank 0's buffer
+        assert r["scale"] == [1.0] * 4
+        assert r0["running_mean"] == r["running_mean"]
+        assert r0["norms"] == r["norms"]
+        assert r0["params"] == r["params"]
 
 
 def check_memory(runs: Dict[int, Dict[str, Any]]) -> None:
@@ -644,7 +656,7 @@ def test_grads_are_bucket_views_and_peak_memory_is_single_gpu(runs):
 if __name__ == "__main__":
     if "--cpu" in sys.argv[1:]:
         t0 = time.monotonic()
-        got = run_all("cpu")
+        got = run_all("cpu", world=1 if "--one" in sys.argv[1:] else 2)
         for name, check in (("equivalence", check_equivalence), ("torch_ddp", check_torch_ddp),
                             ("branches", check_branches), ("no_sync", check_no_sync),
                             ("bf16", check_bf16), ("amp", check_amp), ("memory", check_memory)):
