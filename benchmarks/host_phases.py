@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # ddp_step.py: t
 import ddp_step
 
 
-def worker(rank, world, ports, out):
+def worker(rank, world, ports, out, trace=False):
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -115,6 +115,20 @@ def worker(rank, world, ports, out):
             pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
             if rank == 0:
                 res["cprofile"] = s.getvalue()
+        if trace:
+            # Host time by operator (CUDA runtime calls included) over 3 steps: a call that
+            # blocks the host (a synchronize, an allocation) stands out by its self CPU time.
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step()
+            if rank == 0:
+                ka = prof.key_averages()
+                res["trace " + name] = (
+                    ka.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=48)
+                    + "\nby GPU time:\n"
+                    + ka.table(sort_by="self_device_time_total", row_limit=25,
+                               max_name_column_width=48))
         del model, opt, m
         torch.cuda.empty_cache()
     if rank == 0:
@@ -128,13 +142,16 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=2,
                     help="ranks, one per GPU (1: the wrappers' host cost with no peer to wait for)")
-    nproc = ap.parse_args().nproc
+    ap.add_argument("--trace", action="store_true",
+                    help="also print each variant's host time by operator over 3 profiled steps")
+    args = ap.parse_args()
+    nproc = args.nproc
     if torch.cuda.device_count() < nproc:
         sys.exit(f"--nproc {nproc} needs {nproc} visible GPUs, found {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     ports = (ddp_step.free_port(), ddp_step.free_port())
-    ps = [ctx.Process(target=worker, args=(r, nproc, ports, out)) for r in range(nproc)]
+    ps = [ctx.Process(target=worker, args=(r, nproc, ports, out, args.trace)) for r in range(nproc)]
     [p.start() for p in ps]
     res = out.get(timeout=300)
     [p.join(60) for p in ps]
@@ -144,6 +161,9 @@ if __name__ == "__main__":
         "ms/step in attach_grads, arm, finalize, attach_sink, slot_for"
     )
     for k, v in res.items():
-        if k != "cprofile":
+        if k != "cprofile" and not k.startswith("trace "):
             print(f"{k:18s} " + " ".join(f"{x:7.2f}" for x in v))
     print(res["cprofile"][:2500])
+    for k, v in res.items():
+        if k.startswith("trace "):
+            print(f"== {k[6:]}: host time by operator, 3 steps\n{v}")

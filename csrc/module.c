@@ -1145,7 +1145,9 @@ typedef struct {
     PyObject *index_obj;
 } GradHookObject;
 
-static PyObject *g_str_grad; /* interned "grad" */
+static PyObject *g_str_grad;          /* interned "grad" */
+static PyObject *g_str_copy_;         /* interned "copy_" */
+static PyObject *g_str_requires_grad; /* interned "requires_grad" */
 
 static int GradHooks_traverse(GradHooksObject *self, visitproc visit, void *arg) {
     Py_VISIT(self->reducer);
@@ -1348,16 +1350,37 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
         PyObject *views = h->views;
         Py_INCREF(r);
         Py_INCREF(views);
-        PyObject *ret = NULL;
+        PyObject *ret = NULL, *grad = NULL, *view = NULL;
         int handled = 1;
-        PyObject *grad = PyObject_GetAttr(p, g_str_grad);
+        grad = PyObject_GetAttr(p, g_str_grad);
         if (!grad) goto done;
-        int in_slot = i < PyList_GET_SIZE(views) && grad == PyList_GET_ITEM(views, i) &&
-                      grad != Py_None;
-        Py_DECREF(grad); /* compared by identity only; the parameter keeps it alive */
-        if (!in_slot) {
+        if (i < PyList_GET_SIZE(views)) {
+            view = PyList_GET_ITEM(views, i);
+            Py_INCREF(view);
+        }
+        if (grad == Py_None || !view || view == Py_None) {
+            /* No gradient, or its bucket is released: the Python path allocates it. */
             handled = 0;
             goto done;
+        }
+        if (grad != view) {
+            /* A freshly computed gradient (autograd set .grad to it, the slot being empty):
+             * copy it into its slot and make the slot the gradient, as the Python path would.
+             * One that requires grad (create_graph=True) goes there, to be copied without
+             * recording history. */
+            PyObject *rg = PyObject_GetAttr(grad, g_str_requires_grad);
+            if (!rg) goto done;
+            int needs_graph = PyObject_IsTrue(rg);
+            Py_DECREF(rg);
+            if (needs_graph < 0) goto done;
+            if (needs_graph) {
+                handled = 0;
+                goto done;
+            }
+            PyObject *res = PyObject_CallMethodOneArg(view, g_str_copy_, grad);
+            if (!res) goto done;
+            Py_DECREF(res);
+            if (PyObject_SetAttr(p, g_str_grad, view) < 0) goto done;
         }
         if (!reducer_ready(r)) goto done;
         if (i >= r->nparams) {
@@ -1374,6 +1397,8 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
         ret = Py_None;
         Py_INCREF(ret);
     done:
+        Py_XDECREF(view);
+        Py_XDECREF(grad);
         Py_DECREF(views);
         Py_DECREF(r);
         if (handled) return ret;
@@ -1636,6 +1661,10 @@ static int module_exec(PyObject *m) {
     if (add_type(m, &GradHooks_spec, &s->GradHooksType) < 0) return -1;
     if (add_type(m, &GradHook_spec, &s->GradHookType) < 0) return -1;
     if (!g_str_grad && !(g_str_grad = PyUnicode_InternFromString("grad"))) return -1;
+    if (!g_str_copy_ && !(g_str_copy_ = PyUnicode_InternFromString("copy_"))) return -1;
+    if (!g_str_requires_grad &&
+        !(g_str_requires_grad = PyUnicode_InternFromString("requires_grad")))
+        return -1;
     /* END TYPE REGISTRATION */
     ddpc_set_interrupt_hook(interrupt_hook);
     return 0;

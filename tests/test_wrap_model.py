@@ -206,6 +206,40 @@ def sc_branches(rank):
     return {"errs": errs, "head_c": head_c}
 
 
+def sc_fresh_slots(rank):
+    """After zero_grad(set_to_none=True) a bucket gets uninitialized memory at its first
+    gradient (each gradient is copied into its slot). With memory that held NaN just before,
+    a parameter this step does not use (head_c, and head_a or head_b) must still end with exact
+    zeros, the others with the average; also through backward(create_graph=True), whose
+    gradients require grad and take the Python path."""
+    import ddpc
+    model = make(Branchy, rank, torch.float64)
+    wrapped = ddpc.wrap_model(model)  # one bucket: used and unused parameters share it
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    n = sum(p.numel() for p in model.parameters())
+    out = {"errs": [], "unused": [], "nbuckets": len(wrapped._buckets)}
+    for step in range(4):
+        x, y = batch(70 + step)
+        branch = step % 2
+        expected = None
+        for r in range(WORLD):
+            g = local_grads(model, lambda m, r=r: mse(m(shard(x, r), branch), shard(y, r)))
+            expected = g if expected is None else [a + b for a, b in zip(expected, g)]
+        expected = [e / WORLD for e in expected]
+        opt.zero_grad(set_to_none=True)
+        loss = mse(wrapped(shard(x, rank), branch), shard(y, rank))
+        junk = torch.full((n,), float("nan"), dtype=torch.float64)  # freed: its memory is
+        del junk                                                   # handed out next
+        loss.backward(create_graph=step >= 2)
+        out["errs"].append(max((p.grad.detach() - e).abs().max().item()
+                               for p, e in zip(model.parameters(), expected)))
+        idle = [model.head_c, model.head_b if branch == 0 else model.head_a]
+        out["unused"].append(max(p.grad.abs().max().item() for m in idle
+                                 for p in m.parameters()))
+        opt.step()
+    return out
+
+
 def sc_no_sync(rank):
     import ddpc
     model = make(Branchy, rank, torch.float64)
@@ -573,6 +607,7 @@ SCENARIOS = [
     ("amp", sc_amp),
     ("memory_format", sc_memory_format),
     ("failed_backward", sc_failed_backward),
+    ("fresh_slots", sc_fresh_slots),
 ]
 
 
@@ -616,6 +651,13 @@ def test_different_branch_per_rank_gives_the_average(runs):
     for r in result(runs, "branches"):
         assert max(r["errs"]) < 1e-12, r["errs"]
         assert max(r["head_c"]) == 0.0
+
+
+def test_fresh_bucket_memory_ends_with_zeros_for_unused_parameters(runs):
+    for r in result(runs, "fresh_slots"):
+        assert r["nbuckets"] == 1, r
+        assert len(r["errs"]) == 4 and max(r["errs"]) < 1e-12, r["errs"]
+        assert r["unused"] == [0.0] * 4, r["unused"]
 
 
 def test_no_sync_accumulates_locally_then_averages_the_sum(runs):

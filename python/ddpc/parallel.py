@@ -235,7 +235,6 @@ class DistributedModel(torch.nn.Module):
         self._grad_dtype = grad_dtype
         self._require_sync = True
         self._active = False           # a synced step is prepared and not yet finalized
-        self._attached: set = set()    # params given a zeroed slot by their bucket's first grad
         self._finalize_queued = False
         self._synced_forward = False   # the last forward with autograd on was outside no_sync
         self._rebuild_pending = True   # the first synced step observes the gradient order
@@ -349,12 +348,19 @@ class DistributedModel(torch.nn.Module):
         if old is not None:
             old.close()
 
-    def _allocate_bucket(self, b: int, grad: Optional[torch.Tensor] = None) -> None:
+    def _allocate_bucket(self, b: int, grad: Optional[torch.Tensor] = None,
+                         zero: bool = True) -> None:
         """Gives released bucket b memory: `grad` itself when given (the bucket's only
-        parameter's freshly computed gradient, adopted without a copy), else zeros. Makes its
-        views; leaves param.grad alone."""
+        parameter's freshly computed gradient, adopted without a copy), else zeros, or
+        uninitialized memory when zero is False (every slot will be written or zeroed before it
+        is read). Makes its views; leaves param.grad alone."""
         count, dtype, device = self._bucket_specs[b]
-        buf = grad.view(-1) if grad is not None else torch.zeros(count, dtype=dtype, device=device)
+        if grad is not None:
+            buf = grad.view(-1)
+        elif zero:
+            buf = torch.zeros(count, dtype=dtype, device=device)
+        else:
+            buf = torch.empty(count, dtype=dtype, device=device)
         wire = self._wires[b]
         self._reducer.set_bucket_memory(b, buf.data_ptr(), 0 if wire is None else wire.data_ptr(),
                                         (buf, wire))
@@ -391,25 +397,19 @@ class DistributedModel(torch.nn.Module):
                 g.untyped_storage().nbytes() == count * g.element_size())
 
     def _slot_for(self, i: int, g: torch.Tensor) -> torch.Tensor:
-        """Parameter i's view, allocating its released bucket first (adopting g if it can)."""
+        """Parameter i's view, allocating its released bucket first (adopting g if it can).
+        The new bucket is not zeroed: each gradient that arrives is copied into its slot (by the
+        C hook, for all but this first one), and the slots of parameters that get none are
+        zeroed by the reducer at the end of a synced backward, or by the next forward's
+        _attach_grads after a no_sync one. That is one write per gradient, where zeroed slots
+        that autograd accumulates into cost a memset, and a read and a write more."""
         view = self._views[i]
         if view is None:
             b = self._bucket_of[i]
             if self._adoptable(i, g):
                 self._allocate_bucket(b, g)
             else:
-                self._allocate_bucket(b)
-                if self._active:
-                    # A synced backward: the bucket's other gradients are still to come. Pointed
-                    # at their zeroed slots now, autograd accumulates them into the bucket in
-                    # place, and their hooks find them there, with no copy and no Python work.
-                    # (Parameters this rank does not use end with zeros, as they would anyway;
-                    # _attached lets the end of backward still count them as unused.)
-                    params, views = self._params, self._views
-                    for j in self._members[b]:
-                        if j != i and params[j].grad is None:
-                            params[j].grad = views[j]
-                            self._attached.add(j)
+                self._allocate_bucket(b, zero=False)
             view = self._views[i]
         return view
 
@@ -493,7 +493,6 @@ class DistributedModel(torch.nn.Module):
         # Reset before prepare(), which raises when the previous backward never finished.
         self._active = False
         self._finalize_queued = False
-        self._attached = set()
         self._fwd_stream = self._stream()
         self._sync_hooks()
         self._reducer.prepare()
@@ -533,13 +532,11 @@ class DistributedModel(torch.nn.Module):
                 # No gradient of this bucket arrived on this rank, but every rank reduces every
                 # bucket: zeros, for the ranks that did use these parameters.
                 self._allocate_bucket(b)
-        attached = self._attached
         for i in reducer.unready():
             p, view = self._params[i], self._views[i]
             g = p.grad
-            if g is None or (g is view and i in attached):
-                # Unused this step (its slot was attached, zeroed, when its bucket's first
-                # gradient arrived, and nothing was added): the reducer zeroes the slot.
+            if g is None:
+                # Unused this step: the reducer zeroes the slot.
                 p.grad = view
                 continue
             if g is not view:
