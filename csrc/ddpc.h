@@ -282,6 +282,11 @@ ddpc_status ddpc_reducer_prepare(DdpcReducer *r);
  * Marking a parameter again is counted (ready_count) and harmless until its bucket is launched;
  * after that it fails, because the gradient changed while it was being reduced. */
 ddpc_status ddpc_reducer_mark_ready(DdpcReducer *r, int i, uintptr_t stream);
+/* ddpc_reducer_mark_ready after copying parameter i's gradient into its slot: src holds its
+ * numel dense elements of its dtype, on the bucket's device (host memory for host buckets); the
+ * copy is ordered on stream, before the bucket's collective. */
+ddpc_status ddpc_reducer_mark_ready_copy(DdpcReducer *r, int i, const void *src,
+                                         uintptr_t stream);
 /* 1 when ddpc_reducer_mark_ready(r, i, ...) would launch a collective now (it then does work
  * that is worth releasing the GIL for), 0 when it only records. A hint: never fails. */
 int ddpc_reducer_mark_would_launch(DdpcReducer *r, int i);
@@ -328,6 +333,8 @@ ddpc_status ddpc_nccl_load(char *version, size_t version_len);
 /* Device helpers for the reducer (kernels.cu; DDPC_ERR_UNAVAILABLE in a CPU-only build). All are
  * queued on `stream` (a cudaStream_t as an integer) and checked with cudaGetLastError. */
 ddpc_status ddpc_device_zero(void *ptr, size_t bytes, uintptr_t stream);
+/* Device-to-device copy of bytes, ordered on stream. */
+ddpc_status ddpc_device_copy(void *dst, const void *src, size_t bytes, uintptr_t stream);
 /* dst[i] = (dst_dt)(src[i] * scale) for float32/float16/bfloat16/float64 pairs. */
 ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
                              size_t n, float scale, uintptr_t stream);

@@ -142,6 +142,15 @@ ddpc_status ddpc_device_zero(void *ptr, size_t bytes, uintptr_t stream) {
     return DDPC_OK;
 }
 
+ddpc_status ddpc_device_copy(void *dst, const void *src, size_t bytes, uintptr_t stream) {
+    if (bytes == 0) return DDPC_OK;
+    if (!dst || !src)
+        return ddpc_error(DDPC_ERR_INVALID, "ddpc_device_copy: NULL pointer for %zu bytes", bytes);
+    DDPC_CUDACHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice,
+                                   reinterpret_cast<cudaStream_t>(stream)));
+    return DDPC_OK;
+}
+
 ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
                              size_t n, float scale, uintptr_t stream) {
     char what[64];

@@ -1146,7 +1146,8 @@ typedef struct {
 } GradHookObject;
 
 static PyObject *g_str_grad;          /* interned "grad" */
-static PyObject *g_str_copy_;         /* interned "copy_" */
+static PyObject *g_str_is_contiguous; /* interned "is_contiguous" */
+static PyObject *g_str_data_ptr;      /* interned "data_ptr" */
 static PyObject *g_str_requires_grad; /* interned "requires_grad" */
 
 static int GradHooks_traverse(GradHooksObject *self, visitproc visit, void *arg) {
@@ -1329,6 +1330,31 @@ static void name_parameter_error(GradHooksObject *h, Py_ssize_t i) {
 #endif
 }
 
+/* Where a gradient's elements can be copied from as one dense block: 1 with *src set when it
+ * does not require grad and is contiguous (its dtype, shape and device are its parameter's:
+ * autograd checks them), 0 when the Python path must handle it, -1 with an exception set. */
+static int grad_copy_source(PyObject *grad, const void **src) {
+    PyObject *v = PyObject_GetAttr(grad, g_str_requires_grad);
+    if (!v) return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    if (t != 0) return t < 0 ? -1 : 0;
+    v = PyObject_CallMethodNoArgs(grad, g_str_is_contiguous);
+    if (!v) {
+        PyErr_Clear(); /* a sparse gradient has no is_contiguous(): the Python path copies it */
+        return 0;
+    }
+    t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    if (t != 1) return t < 0 ? -1 : 0;
+    v = PyObject_CallMethodNoArgs(grad, g_str_data_ptr);
+    if (!v) return -1;
+    *src = PyLong_AsVoidPtr(v);
+    Py_DECREF(v);
+    if (!*src) return PyErr_Occurred() ? -1 : 0;
+    return 1;
+}
+
 static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *kw) {
     if (kw && PyDict_GET_SIZE(kw)) {
         PyErr_SetString(PyExc_TypeError, "a gradient hook takes no keyword arguments");
@@ -1363,32 +1389,31 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
             handled = 0;
             goto done;
         }
-        if (grad != view) {
-            /* A freshly computed gradient (autograd set .grad to it, the slot being empty):
-             * copy it into its slot and make the slot the gradient, as the Python path would.
-             * One that requires grad (create_graph=True) goes there, to be copied without
-             * recording history. */
-            PyObject *rg = PyObject_GetAttr(grad, g_str_requires_grad);
-            if (!rg) goto done;
-            int needs_graph = PyObject_IsTrue(rg);
-            Py_DECREF(rg);
-            if (needs_graph < 0) goto done;
-            if (needs_graph) {
-                handled = 0;
-                goto done;
-            }
-            PyObject *res = PyObject_CallMethodOneArg(view, g_str_copy_, grad);
-            if (!res) goto done;
-            Py_DECREF(res);
-            if (PyObject_SetAttr(p, g_str_grad, view) < 0) goto done;
-        }
         if (!reducer_ready(r)) goto done;
         if (i >= r->nparams) {
             PyErr_Format(PyExc_ValueError, "gradient hook %zd: the reducer has %d parameters", i,
                          r->nparams);
             goto done;
         }
-        ddpc_status st = ddpc_reducer_mark_ready(r->r, (int)i, (uintptr_t)h->stream);
+        ddpc_status st;
+        if (grad != view) {
+            /* A freshly computed gradient (autograd set .grad to it, the slot being empty): the
+             * reducer copies it into its slot on the stream the backward runs on (its memory
+             * returns to the allocator on that stream once .grad is the slot), then the slot
+             * becomes .grad, as the Python path would do. A gradient that requires grad
+             * (create_graph=True) or is not dense and contiguous goes there instead. */
+            const void *src = NULL;
+            int ok = grad_copy_source(grad, &src);
+            if (ok < 0) goto done;
+            if (!ok) {
+                handled = 0;
+                goto done;
+            }
+            st = ddpc_reducer_mark_ready_copy(r->r, (int)i, src, (uintptr_t)h->stream);
+            if (st == DDPC_OK && PyObject_SetAttr(p, g_str_grad, view) < 0) goto done;
+        } else {
+            st = ddpc_reducer_mark_ready(r->r, (int)i, (uintptr_t)h->stream);
+        }
         if (st != DDPC_OK) {
             raise_status(state_of_type(Py_TYPE(r)), st);
             name_parameter_error(h, i);
@@ -1661,7 +1686,10 @@ static int module_exec(PyObject *m) {
     if (add_type(m, &GradHooks_spec, &s->GradHooksType) < 0) return -1;
     if (add_type(m, &GradHook_spec, &s->GradHookType) < 0) return -1;
     if (!g_str_grad && !(g_str_grad = PyUnicode_InternFromString("grad"))) return -1;
-    if (!g_str_copy_ && !(g_str_copy_ = PyUnicode_InternFromString("copy_"))) return -1;
+    if (!g_str_is_contiguous &&
+        !(g_str_is_contiguous = PyUnicode_InternFromString("is_contiguous")))
+        return -1;
+    if (!g_str_data_ptr && !(g_str_data_ptr = PyUnicode_InternFromString("data_ptr"))) return -1;
     if (!g_str_requires_grad &&
         !(g_str_requires_grad = PyUnicode_InternFromString("requires_grad")))
         return -1;

@@ -462,7 +462,22 @@ static ddpc_status launch_complete(DdpcReducer *r, uintptr_t stream) {
     return DDPC_OK;
 }
 
-ddpc_status ddpc_reducer_mark_ready(DdpcReducer *r, int i, uintptr_t stream) {
+/* Copies parameter i's gradient (numels[i] dense elements of its dtype at src, on the bucket's
+ * device) into its slot, ordered on stream. Called with r->mu held, before the bucket launches. */
+static ddpc_status copy_into_slot(DdpcReducer *r, int i, const void *src, uintptr_t stream) {
+    const Bucket *bk = &r->buckets[r->param_bucket[i]];
+    size_t esize = ddpc_dtype_size(r->dtypes[i]);
+    char *dst = (char *)bk->buf + r->param_offset[i] * esize;
+    size_t bytes = r->numels[i] * esize;
+    if (!bytes || dst == (const char *)src) return DDPC_OK;
+    if (bk->device < 0) {
+        memcpy(dst, src, bytes);
+        return DDPC_OK;
+    }
+    return ddpc_device_copy(dst, src, bytes, stream);
+}
+
+static ddpc_status mark_ready(DdpcReducer *r, int i, uintptr_t stream, const void *src) {
     DDPC_CHECK(check_param(r, i));
     ddpc_status st = DDPC_OK;
     pthread_mutex_lock(&r->mu);
@@ -482,6 +497,10 @@ ddpc_status ddpc_reducer_mark_ready(DdpcReducer *r, int i, uintptr_t stream) {
                             "reused in several reentrant checkpoint segments) although it was not "
                             "in the first step, which decided the buckets", i,
                             r->param_bucket[i]);
+        else if (src)
+            st = copy_into_slot(r, i, src, stream);
+    } else if (src && (st = copy_into_slot(r, i, src, stream)) != DDPC_OK) {
+        /* nothing marked: the caller's error says what failed */
     } else {
         r->ready[i] = 1;
         r->ready_count[i]++;
@@ -491,6 +510,18 @@ ddpc_status ddpc_reducer_mark_ready(DdpcReducer *r, int i, uintptr_t stream) {
     }
     pthread_mutex_unlock(&r->mu);
     return st;
+}
+
+ddpc_status ddpc_reducer_mark_ready(DdpcReducer *r, int i, uintptr_t stream) {
+    return mark_ready(r, i, stream, NULL);
+}
+
+ddpc_status ddpc_reducer_mark_ready_copy(DdpcReducer *r, int i, const void *src,
+                                         uintptr_t stream) {
+    if (!src)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: mark_ready_copy of parameter %d: NULL "
+                          "source", i);
+    return mark_ready(r, i, stream, src);
 }
 
 int ddpc_reducer_mark_would_launch(DdpcReducer *r, int i) {

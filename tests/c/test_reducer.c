@@ -76,6 +76,11 @@ ddpc_status ddpc_device_cast(void *d, ddpc_dtype dd, const void *s, ddpc_dtype s
     return ddpc_error(DDPC_ERR_UNAVAILABLE, "fake: no device");
 }
 
+ddpc_status ddpc_device_copy(void *d, const void *s, size_t b, uintptr_t st) {
+    (void)d; (void)s; (void)b; (void)st;
+    return ddpc_error(DDPC_ERR_UNAVAILABLE, "fake: no device");
+}
+
 static void clear_log(void) {
     for (int i = 0; i < g_nlog; i++) ddpc_work_release(g_log[i]);
     g_nlog = 0;
@@ -211,6 +216,50 @@ static void test_order_late_dtypes(void) {
     for (int k = 0; k < 4; k++) free(mem[k]);
 }
 
+/* mark_ready_copy: the gradient lands in its slot (padding and neighbours untouched) before the
+ * bucket launches; a second gradient after the launch is refused and copies nothing. */
+static void test_mark_ready_copy(void) {
+    size_t numels[2] = {3, 5};
+    ddpc_dtype dts[2] = {DDPC_FLOAT32, DDPC_FLOAT32};
+    int devs[2] = {-1, -1};
+    int order[2] = {0, 1};
+    DdpcReducer *r = NULL;
+    OK(ddpc_reducer_create(&g_group, 2, numels, dts, devs, order, NULL, 1000, 1000, -1, &r));
+    if (!r) return;
+    ddpc_dtype dt;
+    int dev, b0, b1;
+    size_t count, off0, off1;
+    OK(ddpc_reducer_bucket_info(r, 0, &dt, &dev, &count));
+    OK(ddpc_reducer_param_slot(r, 0, &b0, &off0));
+    OK(ddpc_reducer_param_slot(r, 1, &b1, &off1));
+    EXPECT(ddpc_reducer_num_buckets(r) == 1 && b0 == 0 && b1 == 0, "one bucket expected");
+    float *mem = malloc(count * sizeof(float));
+    for (size_t k = 0; k < count; k++) mem[k] = -7.0f; /* uninitialized memory, made visible */
+    OK(ddpc_reducer_set_bucket_memory(r, 0, mem, NULL));
+    OK(ddpc_reducer_prepare(r));
+    float g0[3] = {1, 2, 3}, g1[5] = {4, 5, 6, 7, 8};
+    EXPECT(ddpc_reducer_mark_ready_copy(r, 0, NULL, 0) == DDPC_ERR_INVALID, "NULL source");
+    OK(ddpc_reducer_mark_ready_copy(r, 0, g0, 0));
+    EXPECT(g_nlog == 0, "launched before the bucket was complete");
+    OK(ddpc_reducer_mark_ready_copy(r, 1, g1, 0));
+    EXPECT(g_nlog == 1, "%d collectives after the bucket was complete", g_nlog);
+    for (int k = 0; k < 3; k++)
+        EXPECT(mem[off0 + k] == g0[k], "slot 0[%d] = %g", k, (double)mem[off0 + k]);
+    for (int k = 0; k < 5; k++)
+        EXPECT(mem[off1 + k] == g1[k], "slot 1[%d] = %g", k, (double)mem[off1 + k]);
+    float again[3] = {9, 9, 9};
+    EXPECT(ddpc_reducer_mark_ready_copy(r, 0, again, 0) == DDPC_ERR_INVALID &&
+               strstr(ddpc_last_error(), "already being reduced"),
+           "a gradient after the launch was accepted: %s", ddpc_last_error());
+    EXPECT(mem[off0] == 1.0f, "the refused gradient was copied");
+    int unused = -1;
+    OK(ddpc_reducer_finalize(r, 0, &unused));
+    EXPECT(unused == 0, "unused %d", unused);
+    clear_log();
+    ddpc_reducer_destroy(r);
+    free(mem);
+}
+
 static void test_bad_arguments(void) {
     size_t numels[2] = {4, 4};
     ddpc_dtype dts[2] = {DDPC_FLOAT32, DDPC_INT64};
@@ -246,6 +295,7 @@ static void test_bad_arguments(void) {
 int main(void) {
     test_assignment_and_launch_order();
     test_order_late_dtypes();
+    test_mark_ready_copy();
     test_bad_arguments();
     clear_log();
     return check_summary("test_reducer");
