@@ -32,7 +32,7 @@ if [ "$NGPU" -ge 2 ]; then
 else
     # One GPU: no scaling to measure; what each wrapper costs a step with no peer to wait for,
     # where that host time goes, and the README's main job on the GPU.
-    stage ddp_1gpu 150 $PY benchmarks/ddp_step.py --device cuda --nproc 1 --steps 40
+    stage ddp_1gpu 150 $PY benchmarks/ddp_step.py --device cuda --nproc 1 --steps 100
     TAIL=40 stage host_1gpu 150 $PY benchmarks/host_phases.py --nproc 1
     TAIL=12 stage main_job 120 $PY -m ddpc.launch --nproc-per-node 1 examples/finetune.py
     stage latency 60 $PY benchmarks/latency.py --nproc 1 --iters 1000 --max-bytes 1048576
