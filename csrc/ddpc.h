@@ -287,6 +287,8 @@ ddpc_status ddpc_reducer_mark_ready(DdpcReducer *r, int i, uintptr_t stream);
  * copy is ordered on stream, before the bucket's collective. */
 ddpc_status ddpc_reducer_mark_ready_copy(DdpcReducer *r, int i, const void *src,
                                          uintptr_t stream);
+/* 1 when parameter i's bucket has memory (it was given some and not released since). */
+int ddpc_reducer_param_has_memory(DdpcReducer *r, int i);
 /* 1 when ddpc_reducer_mark_ready(r, i, ...) would launch a collective now (it then does work
  * that is worth releasing the GIL for), 0 when it only records. A hint: never fails. */
 int ddpc_reducer_mark_would_launch(DdpcReducer *r, int i);

@@ -1384,15 +1384,17 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
             view = PyList_GET_ITEM(views, i);
             Py_INCREF(view);
         }
-        if (grad == Py_None || !view || view == Py_None) {
-            /* No gradient, or its bucket is released: the Python path allocates it. */
-            handled = 0;
-            goto done;
-        }
         if (!reducer_ready(r)) goto done;
         if (i >= r->nparams) {
             PyErr_Format(PyExc_ValueError, "gradient hook %zd: the reducer has %d parameters", i,
                          r->nparams);
+            goto done;
+        }
+        if (grad == Py_None || !view || view == Py_None ||
+            !ddpc_reducer_param_has_memory(r->r, (int)i)) {
+            /* No gradient, or its bucket is released (parked or dropped): the Python path gives
+             * it memory. */
+            handled = 0;
             goto done;
         }
         ddpc_status st;

@@ -524,6 +524,15 @@ ddpc_status ddpc_reducer_mark_ready_copy(DdpcReducer *r, int i, const void *src,
     return mark_ready(r, i, stream, src);
 }
 
+int ddpc_reducer_param_has_memory(DdpcReducer *r, int i) {
+    if (i < 0 || i >= r->nparams) return 0;
+    pthread_mutex_lock(&r->mu);
+    const Bucket *bk = &r->buckets[r->param_bucket[i]];
+    int yes = !bk->count || bk->buf != NULL;
+    pthread_mutex_unlock(&r->mu);
+    return yes;
+}
+
 int ddpc_reducer_mark_would_launch(DdpcReducer *r, int i) {
     if (i < 0 || i >= r->nparams) return 0;
     pthread_mutex_lock(&r->mu);

@@ -118,6 +118,10 @@ def _averaged_grads(model, x, y):
     return [t / WORLD for t in total]
 
 
+def _holds_memory(t) -> bool:
+    return t is not None and t.untyped_storage().nbytes() > 0
+
+
 def sc_lazy(rank):
     import ddpc
     torch.manual_seed(0)
@@ -129,7 +133,7 @@ def sc_lazy(rank):
         arrived.setdefault(id(p), p.grad.data_ptr())
 
     def after_ddpc(p):
-        allocated_at_arrival.append(sum(b is not None for b in wrapped._buckets))
+        allocated_at_arrival.append(sum(_holds_memory(b) for b in wrapped._buckets))
 
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(before_ddpc)
@@ -146,12 +150,16 @@ def sc_lazy(rank):
         expected = _averaged_grads(model, x, y)
         gone = [weakref.ref(t) for t in wrapped._buckets + [p.grad for p in model.parameters()]
                 if t is not None]
+        views_before = [id(v) for v in wrapped._views]
         opt.zero_grad(set_to_none=True)
         loss = (wrapped(x[4 * rank:4 * rank + 4], rank) - y[4 * rank:4 * rank + 4]).square().mean()
         gc.collect()
+        # Memory is back with the allocator when a tensor is gone, or (parked) its storage
+        # holds nothing.
         rec = {"nbuckets": len(wrapped._buckets), "had": len(gone),
-               "freed": all(r() is None for r in gone),
-               "released": all(b is None for b in wrapped._buckets),
+               "freed": all(r() is None or not _holds_memory(r()) for r in gone),
+               "released": not any(_holds_memory(b) for b in wrapped._buckets),
+               "parked": sum(wrapped._parked),
                "grads_none": all(p.grad is None for p in model.parameters())}
         arrived.clear()
         allocated_at_arrival.clear()
@@ -170,16 +178,30 @@ def sc_lazy(rank):
         # adopted: the bucket is the very memory autograd computed the gradient into
         rec["mix_adopted"] = (model.mix.grad.data_ptr() == arrived.get(id(model.mix)) ==
                               wrapped._buckets[b_mix].data_ptr())
+        # parked buckets kept their views: the same objects, now over the new memory (the
+        # adopted bucket's view is the new gradient itself)
+        rec["views_kept"] = sum(id(v) == k for v, k in zip(wrapped._views, views_before))
+        rec["adopted"] = sum(len(m) == 1 and wrapped._buckets[b] is wrapped._views[m[0]]
+                             for b, m in enumerate(wrapped._members))
         out["steps"].append(rec)
         opt.step()
     # An old gradient still held by the caller keeps its memory and values after the forward
     # that releases its bucket (unlike a bucket resized to nothing under it).
+    # The same for a tensor made from one (a slice of a gradient in another bucket of several:
+    # another tensor on that bucket's storage, with no reference to the gradient object).
     held = model.fc1.weight.grad
-    values = held.clone()
+    params = list(model.parameters())
+    b_held = wrapped._bucket_of[names.index("fc1.weight")]
+    other = next(i for i in range(len(names)) if wrapped._bucket_of[i] != b_held and
+                 len(wrapped._members[wrapped._bucket_of[i]]) > 1 and
+                 bool(params[i].grad.abs().min() > 0))
+    part = params[other].grad.view(-1)[:2]
+    values, part_values = held.clone(), part.clone()
     opt.zero_grad(set_to_none=True)
     wrapped(x[4 * rank:4 * rank + 4], rank).sum().backward()
     out["held_intact"] = torch.equal(held, values) and held.data_ptr() != \
         model.fc1.weight.grad.data_ptr()
+    out["part_intact"] = torch.equal(part, part_values)
     return out
 
 
@@ -303,6 +325,13 @@ def test_buckets_of_none_gradients_are_freed_until_backward_needs_them(runs):
             assert rec["released"] and rec["grads_none"], where
             if step > 0:
                 assert rec["had"] > 0 and rec["freed"], where
+            if step == 2:
+                # the layout was rebuilt at step 1; from then on every released bucket is
+                # parked, and its views are reused (all but those of buckets that adopted a new
+                # gradient, mix's among them)
+                assert rec["parked"] == rec["nbuckets"], where
+                assert rec["adopted"] >= 1 and \
+                    rec["views_kept"] == len(names) - rec["adopted"], where
             # the first gradient found only its own bucket allocated, later ones more
             arrivals = rec["allocated_at_arrival"]
             assert arrivals[0] == 1 and max(arrivals) > 1, where
@@ -314,4 +343,4 @@ def test_buckets_of_none_gradients_are_freed_until_backward_needs_them(runs):
         # the end of backward and reduced with the other rank's gradient
         for name in ("head_a.weight", "head_b.weight", "head_a.bias", "head_b.bias"):
             assert r["steps"][-1]["nonzero"][names.index(name)], name
-        assert r["held_intact"]
+        assert r["held_intact"] and r["part_intact"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import sys
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -30,6 +31,19 @@ BROADCAST_CHUNK_BYTES = 16 << 20
 _CODE_OF_DTYPE = {getattr(torch, name): code for name, code in dist._DTYPE_CODES.items()}
 _DTYPE_OF_CODE = {code: dtype for dtype, code in _CODE_OF_DTYPE.items()}
 _GRAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# How many tensors share a storage (torch's own count; absent from some builds: then released
+# buckets are dropped and rebuilt instead of parked).
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _listed_refs() -> int:
+    """What sys.getrefcount reports for an object held by one list alone, read the way
+    _release_bucket reads it (the interpreter's own references vary between versions)."""
+    probe = [torch.empty(0)]
+    return sys.getrefcount(probe[0])
+
+
+_LISTED_REFS = _listed_refs()
 
 
 def _shape_str(shape: Sequence[int]) -> str:
@@ -302,6 +316,7 @@ class DistributedModel(torch.nn.Module):
         if self._reducer is not None and all(p.grad is None for p in params):
             self._reducer.close()
             self._reducer, self._buckets, self._views, self._wires = None, [], [], []
+            self._parked = []
             self._sync_hooks()
         devices = [p.device.index if p.device.type == "cuda" else -1 for p in params]
         comm = _CODE_OF_DTYPE[self._grad_dtype] if self._grad_dtype is not None else -1
@@ -330,6 +345,7 @@ class DistributedModel(torch.nn.Module):
         self._reducer, self._bucket_specs, self._wires = reducer, specs, wires
         self._offsets, self._bucket_of, self._members = offsets, bucket_of, members
         self._buckets = [None] * len(specs)
+        self._parked = [False] * len(specs)
         self._bucket_ptrs = [0] * len(specs)
         self._views = [None] * len(params)
         for b, idx in enumerate(members):
@@ -353,15 +369,27 @@ class DistributedModel(torch.nn.Module):
         """Gives released bucket b memory: `grad` itself when given (the bucket's only
         parameter's freshly computed gradient, adopted without a copy), else zeros, or
         uninitialized memory when zero is False (every slot will be written or zeroed before it
-        is read). Makes its views; leaves param.grad alone."""
+        is read). A parked bucket gets its storage back, under the views it kept; otherwise the
+        views are made. Leaves param.grad alone."""
         count, dtype, device = self._bucket_specs[b]
+        wire = self._wires[b]
+        if grad is None and self._parked[b]:
+            buf = self._buckets[b]
+            buf.untyped_storage().resize_(count * buf.element_size())
+            if zero:
+                buf.zero_()
+            self._parked[b] = False
+            self._reducer.set_bucket_memory(b, buf.data_ptr(),
+                                            0 if wire is None else wire.data_ptr(), (buf, wire))
+            self._bucket_ptrs[b] = buf.data_ptr()
+            return
         if grad is not None:
-            buf = grad.view(-1)
+            buf = grad  # (not a view of it: that would hold it from C++, see _release_bucket)
         elif zero:
             buf = torch.zeros(count, dtype=dtype, device=device)
         else:
             buf = torch.empty(count, dtype=dtype, device=device)
-        wire = self._wires[b]
+        self._parked[b] = False
         self._reducer.set_bucket_memory(b, buf.data_ptr(), 0 if wire is None else wire.data_ptr(),
                                         (buf, wire))
         self._buckets[b] = buf
@@ -369,20 +397,42 @@ class DistributedModel(torch.nn.Module):
         if grad is not None:
             self._views[self._members[b][0]] = grad
             return
-        # One dispatch per view (as_strided with precomputed strides): this runs for every
-        # bucket in every step, on the host path that keeps the GPU fed.
+        # One dispatch per view (as_strided with precomputed strides). Made once per bucket:
+        # a released bucket is parked (its storage shrunk to nothing under the same views)
+        # whenever nothing outside the wrapper holds its memory.
         shapes, strides, offsets = self._shapes, self._strides, self._offsets
         for i in self._members[b]:
             self._views[i] = buf.as_strided(shapes[i], strides[i], offsets[i])
 
     def _release_bucket(self, b: int) -> None:
-        """Frees bucket b (its parameters' gradients are all None): the reducer, the wrapper and
-        the views let go of it, so its memory returns to the allocator unless the caller still
-        holds one of its old gradients."""
+        """Frees bucket b (its parameters' gradients are all None). When the bucket and its
+        views are the only holders of its memory, it is parked: its storage shrinks to nothing
+        (back to the allocator) and the tensor and views stay, to get memory again at the next
+        backward without being made anew. Otherwise (the caller still holds an old gradient, or
+        a tensor made from one) the wrapper lets go of them and makes new ones when needed."""
+        if self._parked[b]:
+            return
         self._reducer.release_bucket(b)
+        buf = self._buckets[b]
+        members, views = self._members[b], self._views
+        # Nobody else may hold a view, or another tensor on the storage. A view's references:
+        # our list's (_LISTED_REFS); an adopted gradient, which is the bucket too, also _buckets'
+        # and `buf`. Torch's count of the storage's tensors: the bucket, one per view (the same
+        # one when adopted), and st.
+        adopted = buf is not None and buf is views[members[0]]
+        refs = _LISTED_REFS + (2 if adopted else 0)
+        if (buf is not None and _storage_use_count is not None and
+                all(sys.getrefcount(views[i]) == refs for i in members)):
+            st = buf.untyped_storage()
+            owners = 1 if adopted else 1 + len(members)
+            if _storage_use_count(st._cdata) == owners + 1:
+                st.resize_(0)
+                self._parked[b] = True
+                self._bucket_ptrs[b] = 0
+                return
         self._buckets[b] = None
-        for i in self._members[b]:
-            self._views[i] = None
+        for i in members:
+            views[i] = None
 
     def _adoptable(self, i: int, g: torch.Tensor) -> bool:
         """Can gradient g become parameter i's released bucket as it is? When i is alone in the
@@ -403,15 +453,13 @@ class DistributedModel(torch.nn.Module):
         zeroed by the reducer at the end of a synced backward, or by the next forward's
         _attach_grads after a no_sync one. That is one write per gradient, where zeroed slots
         that autograd accumulates into cost a memset, and a read and a write more."""
-        view = self._views[i]
-        if view is None:
-            b = self._bucket_of[i]
+        b = self._bucket_of[i]
+        if self._views[i] is None or self._parked[b]:
             if self._adoptable(i, g):
                 self._allocate_bucket(b, g)
             else:
                 self._allocate_bucket(b, zero=False)
-            view = self._views[i]
-        return view
+        return self._views[i]
 
     def _sync_hooks(self, fast: bool = False) -> None:
         """Tells the C hooks the current reducer, views and stream, and whether a synced
@@ -436,7 +484,7 @@ class DistributedModel(torch.nn.Module):
                 # The gradient was created outside its slot (grad was None or replaced after the
                 # forward, or create_graph=True accumulated out of place): move it in, giving its
                 # bucket memory first when the bucket was released at the forward.
-                if view is None:
+                if view is None or model._parked[model._bucket_of[i]]:
                     view = model._slot_for(i, p.grad)
                 if p.grad is not view:
                     with torch.no_grad():
@@ -473,12 +521,13 @@ class DistributedModel(torch.nn.Module):
             if g is None:
                 nones.setdefault(self._bucket_of[i], []).append(i)
                 continue
-            if view is None:
+            if view is None or self._parked[self._bucket_of[i]]:
                 self._allocate_bucket(self._bucket_of[i])
                 view = self._views[i]
             with torch.no_grad():
                 view.copy_(g)
             p.grad = view
+        g = view = None  # no reference of the loop may keep a bucket from being parked
         for b, idx in nones.items():
             if len(idx) == len(self._members[b]):
                 self._release_bucket(b)
@@ -528,7 +577,7 @@ class DistributedModel(torch.nn.Module):
         reducer = self._reducer
         stream = self._stream()
         for b, buf in enumerate(self._buckets):
-            if buf is None:
+            if buf is None or self._parked[b]:
                 # No gradient of this bucket arrived on this rank, but every rank reduces every
                 # bucket: zeros, for the ranks that did use these parameters.
                 self._allocate_bucket(b)
@@ -677,6 +726,10 @@ class DistributedModel(torch.nn.Module):
             if g is not None and g.data_ptr() != v.data_ptr():
                 return True
             b = self._bucket_of[i]
+            if self._parked[b]:
+                if g is not None:
+                    return True
+                continue
             # (an empty tensor reports data_ptr() 0 wherever it lies)
             if v.numel() and \
                     v.data_ptr() != self._bucket_ptrs[b] + self._offsets[i] * v.element_size():
