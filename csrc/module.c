@@ -1627,7 +1627,74 @@ static PyObject *mod_dtype_size(PyObject *m, PyObject *args) {
     return PyLong_FromSize_t(ddpc_dtype_size((ddpc_dtype)dt));
 }
 
+/* scan_grads(params, views, bucket_of, nbuckets) -> (slow, released): the wrapper's forward
+ * prologue over every parameter, without a Python loop. slow is True when some gradient is not
+ * in its slot (set or replaced by the caller) or some bucket holds both gradients and Nones:
+ * then the caller's Python path handles everything. Otherwise released lists the buckets all
+ * of whose gradients are None (to release or keep parked), in order. */
+static PyObject *mod_scan_grads(PyObject *m, PyObject *args) {
+    (void)m;
+    PyObject *params, *views, *bucket_of;
+    Py_ssize_t nb;
+    if (!PyArg_ParseTuple(args, "O!O!O!n", &PyList_Type, &params, &PyList_Type, &views,
+                          &PyList_Type, &bucket_of, &nb))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(params);
+    if (PyList_GET_SIZE(views) != n || PyList_GET_SIZE(bucket_of) != n || nb < 0) {
+        PyErr_Format(PyExc_ValueError, "scan_grads: %zd parameters, %zd views, %zd bucket "
+                     "indices and %zd buckets do not match", n, PyList_GET_SIZE(views),
+                     PyList_GET_SIZE(bucket_of), nb);
+        return NULL;
+    }
+    /* per bucket: members, and how many of them have no gradient */
+    Py_ssize_t *cnt = PyMem_Calloc((size_t)(2 * nb + 1), sizeof *cnt);
+    if (!cnt) return PyErr_NoMemory();
+    int slow = 0;
+    PyObject *released = NULL;
+    for (Py_ssize_t i = 0; i < n && !slow; i++) {
+        Py_ssize_t b = PyLong_AsSsize_t(PyList_GET_ITEM(bucket_of, i));
+        if (b == -1 && PyErr_Occurred()) goto out;
+        if (b < 0 || b >= nb) {
+            PyErr_Format(PyExc_ValueError, "scan_grads: parameter %zd is in bucket %zd of %zd", i,
+                         b, nb);
+            goto out;
+        }
+        PyObject *g = PyObject_GetAttr(PyList_GET_ITEM(params, i), g_str_grad);
+        if (!g) goto out;
+        PyObject *v = PyList_GET_ITEM(views, i);
+        cnt[2 * b]++;
+        if (g == Py_None)
+            cnt[2 * b + 1]++;
+        else if (g != v)
+            slow = 1;
+        Py_DECREF(g);
+    }
+    if (!slow)
+        for (Py_ssize_t b = 0; b < nb; b++)
+            if (cnt[2 * b + 1] && cnt[2 * b + 1] != cnt[2 * b]) slow = 1;
+    released = PyList_New(0);
+    if (!released) goto out;
+    if (!slow)
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            if (!cnt[2 * b] || cnt[2 * b + 1] != cnt[2 * b]) continue;
+            PyObject *o = PyLong_FromSsize_t(b);
+            if (!o || PyList_Append(released, o) < 0) {
+                Py_XDECREF(o);
+                Py_CLEAR(released);
+                goto out;
+            }
+            Py_DECREF(o);
+        }
+out:
+    PyMem_Free(cnt);
+    if (!released) return NULL;
+    PyObject *res = Py_BuildValue("(ON)", slow ? Py_True : Py_False, released);
+    return res;
+}
+
 static PyMethodDef module_methods[] = {
+    {"scan_grads", mod_scan_grads, METH_VARARGS,
+     "scan_grads(params, views, bucket_of, nbuckets) -> (slow, released buckets)"},
     {"cuda_built", mod_cuda_built, METH_NOARGS, "True when this build has CUDA support"},
     {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, "visible CUDA devices (0 without)"},
     {"cuda_set_device", mod_cuda_set_device, METH_VARARGS, "bind this process to a device"},

@@ -512,6 +512,14 @@ class DistributedModel(torch.nn.Module):
         whose gradients are all None is released: the memory comes back when its first gradient
         arrives. Other gradients become their bucket views again (after a user assignment, or
         zero_grad(set_to_none=True) on part of a bucket), zeroed where None."""
+        # The usual cases (every gradient None, or every one in its slot) are found in C; the
+        # loop below runs when some gradient needs moving or zeroing.
+        slow, released = _C.scan_grads(self._params, self._views, self._bucket_of,
+                                       len(self._members))
+        if not slow:
+            for b in released:
+                self._release_bucket(b)
+            return
         nones: Dict[int, List[int]] = {}
         for i, p in enumerate(self._params):
             g = p.grad
