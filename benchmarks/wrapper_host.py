@@ -1,0 +1,78 @@
+"""Host time of ddpc.wrap_model's per-step methods, on the CPU, one rank: a GPT-2-shaped model
+(12 blocks, 148 parameters) made tiny so that the wrapper's own Python and C work is visible
+next to the compute. Prints the step time and the time per step spent in the forward prologue
+(_attach_grads), arming the reducer (_arm), the output sink, the per-bucket gradient path
+(_slot_for: a released bucket getting memory back) and the end of backward (_finalize), for
+bucket sizes that give many buckets and few.
+
+    python benchmarks/wrapper_host.py [--steps 50]
+
+No GPU needed; the numbers say how much host work each step costs the wrapper, which on a GPU
+step that waits for kernel launches adds to the step time.
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ddp_step  # noqa: E402  (the model)
+
+METHODS = ("_attach_grads", "_arm", "_attach_sink", "_slot_for", "_finalize")
+
+
+def measure(ddpc, cap_mb: float, steps: int) -> str:
+    torch.manual_seed(0)
+    model = ddp_step.GPT(12, 64, 4, 512, 32)
+    w = ddpc.wrap_model(model, bucket_cap_mb=cap_mb)
+    opt = torch.optim.SGD(w.parameters(), lr=1e-3)
+    x = torch.randint(0, 512, (2, 32))
+    timers = {}
+    for meth in METHODS:
+        orig = getattr(w, meth)
+
+        def timed(*a, _o=orig, _m=meth, **k):
+            t = time.perf_counter()
+            try:
+                return _o(*a, **k)
+            finally:
+                timers[_m] = timers.get(_m, 0.0) + time.perf_counter() - t
+
+        setattr(w, meth, timed)
+
+    def step():
+        w(x).float().logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(5):
+        step()
+    timers.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    per = ", ".join(f"{m} {timers.get(m, 0.0) / steps * 1e3:.3f}" for m in METHODS)
+    return (f"bucket_cap_mb={cap_mb:<6g} {len(w._buckets):3d} buckets, {len(w._params)} params: "
+            f"step {ms:.2f} ms; ms per step in {per}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=50)
+    args = ap.parse_args()
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ddp_step.free_port()),
+                      DDPC_TOKEN="wrapper-host")
+    torch.set_num_threads(1)
+    import ddpc
+    ddpc.init_process_group(backend="cpu")
+    for cap in (0.03, 25):
+        print(measure(ddpc, cap, args.steps))
+    ddpc.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
