@@ -243,15 +243,23 @@ def _worker(rank, args, ports, results):
                     v.step()
             if v.single:
                 tdist.barrier()
-    mine = [(v.name, statistics.median(v.times) if v.times else None, v.mem) for v in variants]
+    mine = [(v.name, statistics.median(v.times) if v.times else None, v.mem, v.times)
+            for v in variants]
     gathered = [None] * n
     tdist.all_gather_object(gathered, mine)
     rows = []
     for k, v in enumerate(variants):
         if v.single:
-            rows.append(gathered[0][k])
+            name, ms, mem, times = gathered[0][k]
         else:
-            rows.append((v.name, max(g[k][1] for g in gathered), max(g[k][2] for g in gathered)))
+            name, ms, mem = (v.name, max(g[k][1] for g in gathered),
+                             max(g[k][2] for g in gathered))
+            times = [max(g[k][3][j] for g in gathered) for j in range(len(v.times))]
+        # Per round: the mean of its steps (the slowest rank's), for ratios between variants
+        # timed minutes apart at most, which drift on a shared machine affects less.
+        rounds = [statistics.fmean(times[j:j + per_round])
+                  for j in range(0, len(times) - per_round + 1, per_round)]
+        rows.append((name, ms, mem, rounds))
     results.put((rank, "ok", (rows, describe_env(device))))
     tdist.destroy_process_group()
     ddpc.destroy_process_group()
@@ -343,21 +351,27 @@ def main() -> int:
           + (", bf16 autocast, fused AdamW" if args.device == "cuda" else ", fp32, AdamW"))
     print("env: " + ", ".join(f"{k}={'<unset>' if v is None else v}" for k, v in env.items()))
     mem_name = "+max_memory_allocated" if args.device == "cuda" else "+peak RSS"
-    ref = next((ms for name, ms, _ in rows if name == "torch DDP"), rows[0][1])
-    single = next((ms for name, ms, _ in rows if name.startswith("1 process")), None)
+    ref = next((ms for name, ms, _, _ in rows if name == "torch DDP"), rows[0][1])
+    single = next(((ms, r) for name, ms, _, r in rows if name.startswith("1 process")), None)
     print(f"{'variant':32s} {'ms/step':>9s} {'vs torch DDP':>13s} {'scaling eff.':>13s} "
-          f"{mem_name + ' MiB':>26s}")
+          f"{'paired':>7s} {mem_name + ' MiB':>26s}")
     out_rows = []
-    for name, ms, mem in rows:
+    for name, ms, mem, rounds in rows:
         is_single = name.startswith("1 process")
-        eff = single / ms if single and not is_single else None
+        eff = single[0] / ms if single and not is_single else None
+        paired = None
+        if single and not is_single and rounds and len(rounds) == len(single[1]):
+            paired = statistics.median(a / b for a, b in zip(single[1], rounds))
         print(f"{name:32s} {ms:9.1f} {ms / ref:13.2f} "
-              f"{'' if eff is None else f'{eff:.2f}':>13s} {mem:26.0f}")
+              f"{'' if eff is None else f'{eff:.2f}':>13s} "
+              f"{'' if paired is None else f'{paired:.3f}':>7s} {mem:26.0f}")
         out_rows.append({"variant": name, "ms_per_step": ms, "vs_torch_ddp": ms / ref,
-                         "scaling_efficiency": eff, "peak_mib_added": mem})
+                         "scaling_efficiency": eff, "paired_efficiency": paired,
+                         "round_ms": rounds, "peak_mib_added": mem})
     wall = time.monotonic() - t_start
-    print(f"({wall:.0f} s in all; ms/step: median over the timed steps, slowest rank; peak MiB: "
-          f"the most memory the variant added while built and warmed up)")
+    print(f"({wall:.0f} s in all; ms/step: median over the timed steps, slowest rank; paired: "
+          f"median over rounds of the 1-process time / this variant's time in the same round; "
+          f"peak MiB: the most memory the variant added while built and warmed up)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "config": cfg, "device": args.device,
