@@ -1134,6 +1134,8 @@ typedef struct {
     PyObject *views;        /* list: views[i] is parameter i's slot (or None) */
     PyObject *names;        /* list of parameter names, for messages */
     PyObject *slow;         /* callable(param, index) */
+    PyObject *current_stream; /* callable(device) -> the current stream's handle, or NULL */
+    int device;             /* the CUDA device of the parameters, -1 on the host */
     unsigned long long stream;
     char fast;              /* a synced backward is running and its end is queued */
 } GradHooksObject;
@@ -1155,6 +1157,7 @@ static int GradHooks_traverse(GradHooksObject *self, visitproc visit, void *arg)
     Py_VISIT(self->views);
     Py_VISIT(self->names);
     Py_VISIT(self->slow);
+    Py_VISIT(self->current_stream);
     Py_VISIT(Py_TYPE(self));
     return 0;
 }
@@ -1164,6 +1167,7 @@ static int GradHooks_clear(GradHooksObject *self) {
     Py_CLEAR(self->views);
     Py_CLEAR(self->names);
     Py_CLEAR(self->slow);
+    Py_CLEAR(self->current_stream);
     return 0;
 }
 
@@ -1190,7 +1194,28 @@ static PyObject *GradHooks_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
     self->slow = slow;
     Py_INCREF(names);
     self->names = names;
+    self->device = -1;
     return (PyObject *)self;
+}
+
+static PyObject *GradHooks_get_current_stream(GradHooksObject *self, void *c) {
+    (void)c;
+    PyObject *v = self->current_stream ? self->current_stream : Py_None;
+    Py_INCREF(v);
+    return v;
+}
+
+static int GradHooks_set_current_stream(GradHooksObject *self, PyObject *v, void *c) {
+    (void)c;
+    if (v && v != Py_None && !PyCallable_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "GradHooks.current_stream must be callable or None");
+        return -1;
+    }
+    PyObject *old = self->current_stream;
+    self->current_stream = v && v != Py_None ? v : NULL;
+    Py_XINCREF(self->current_stream);
+    Py_XDECREF(old);
+    return 0;
 }
 
 static PyObject *GradHooks_get_reducer(GradHooksObject *self, void *c) {
@@ -1235,6 +1260,9 @@ static int GradHooks_set_views(GradHooksObject *self, PyObject *v, void *c) {
 static PyGetSetDef GradHooks_getset[] = {
     {"reducer", (getter)GradHooks_get_reducer, (setter)GradHooks_set_reducer, NULL, NULL},
     {"views", (getter)GradHooks_get_views, (setter)GradHooks_set_views, NULL, NULL},
+    {"current_stream", (getter)GradHooks_get_current_stream,
+     (setter)GradHooks_set_current_stream, NULL,
+     "callable(device) -> the handle of the current CUDA stream (None: use `stream`)"},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1243,6 +1271,8 @@ static PyMemberDef GradHooks_members[] = {
      "the stream backward kernels run on (the forward's), 0 on the host"},
     {"fast", T_BOOL, offsetof(GradHooksObject, fast), 0,
      "True while a synced backward runs with its end-of-backward reduction queued"},
+    {"device", T_INT, offsetof(GradHooksObject, device), 0,
+     "the CUDA device the parameters are on (passed to current_stream), -1 on the host"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1348,10 +1378,16 @@ static int grad_copy_source(PyObject *grad, const void **src) {
     Py_DECREF(v);
     if (t != 1) return t < 0 ? -1 : 0;
     v = PyObject_CallMethodNoArgs(grad, g_str_data_ptr);
-    if (!v) return -1;
+    if (!v) {
+        PyErr_Clear(); /* a tensor subclass without storage: the Python path copies it */
+        return 0;
+    }
     *src = PyLong_AsVoidPtr(v);
     Py_DECREF(v);
-    if (!*src) return PyErr_Occurred() ? -1 : 0;
+    if (!*src) {
+        PyErr_Clear();
+        return 0;
+    }
     return 1;
 }
 
@@ -1397,13 +1433,27 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
             handled = 0;
             goto done;
         }
+        /* The stream this gradient was made or accumulated on: autograd runs the hook with
+         * it current. Copying and marking there orders both after the gradient, and the copy
+         * before the source's memory goes back to the allocator (on that stream) below. */
+        uintptr_t stream = (uintptr_t)h->stream;
+        if (h->current_stream && h->device >= 0) {
+            PyObject *dev = PyLong_FromLong(h->device);
+            if (!dev) goto done;
+            PyObject *sv = PyObject_CallOneArg(h->current_stream, dev);
+            Py_DECREF(dev);
+            if (!sv) goto done;
+            stream = (uintptr_t)PyLong_AsUnsignedLongLong(sv);
+            Py_DECREF(sv);
+            if (PyErr_Occurred()) goto done;
+            if (!reducer_ready(r)) goto done; /* (see below) */
+        }
         ddpc_status st;
         if (grad != view) {
             /* A freshly computed gradient (autograd set .grad to it, the slot being empty): the
-             * reducer copies it into its slot on the stream the backward runs on (its memory
-             * returns to the allocator on that stream once .grad is the slot), then the slot
-             * becomes .grad, as the Python path would do. A gradient that requires grad
-             * (create_graph=True) or is not dense and contiguous goes there instead. */
+             * reducer copies it into its slot, then the slot becomes .grad, as the Python path
+             * would do. A gradient that requires grad (create_graph=True), or is not dense and
+             * contiguous, goes there instead. */
             const void *src = NULL;
             int ok = grad_copy_source(grad, &src);
             if (ok < 0) goto done;
@@ -1411,10 +1461,13 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
                 handled = 0;
                 goto done;
             }
-            st = ddpc_reducer_mark_ready_copy(r->r, (int)i, src, (uintptr_t)h->stream);
+            /* grad_copy_source ran Python (methods of the tensor), which may have let another
+             * thread close the reducer. */
+            if (!reducer_ready(r)) goto done;
+            st = ddpc_reducer_mark_ready_copy(r->r, (int)i, src, stream);
             if (st == DDPC_OK && PyObject_SetAttr(p, g_str_grad, view) < 0) goto done;
         } else {
-            st = ddpc_reducer_mark_ready(r->r, (int)i, (uintptr_t)h->stream);
+            st = ddpc_reducer_mark_ready(r->r, (int)i, stream);
         }
         if (st != DDPC_OK) {
             raise_status(state_of_type(Py_TYPE(r)), st);
@@ -1659,9 +1712,19 @@ static PyObject *mod_scan_grads(PyObject *m, PyObject *args) {
                          b, nb);
             goto out;
         }
-        PyObject *g = PyObject_GetAttr(PyList_GET_ITEM(params, i), g_str_grad);
+        /* Reading .grad may run Python (a Tensor subclass) that changes the lists: hold the
+         * parameter, and look at the sizes again after. */
+        PyObject *param = PyList_GET_ITEM(params, i);
+        Py_INCREF(param);
+        PyObject *g = PyObject_GetAttr(param, g_str_grad);
+        Py_DECREF(param);
         if (!g) goto out;
-        PyObject *v = PyList_GET_ITEM(views, i);
+        if (PyList_GET_SIZE(views) != n || PyList_GET_SIZE(params) != n) {
+            Py_DECREF(g);
+            PyErr_SetString(PyExc_RuntimeError, "scan_grads: the lists changed during the scan");
+            goto out;
+        }
+        PyObject *v = PyList_GET_ITEM(views, i); /* compared by identity only */
         cnt[2 * b]++;
         if (g == Py_None)
             cnt[2 * b + 1]++;

@@ -255,8 +255,53 @@ def sc_unused_counts(rank):
             "head_b_grads": [float(p.grad.abs().sum()) for p in model.head_b.parameters()]}
 
 
+class _NumpyGrad(torch.autograd.Function):
+    """y = w * x, with a backward that hands autograd a gradient living in NumPy memory (as
+    code that computes gradients with NumPy or CuPy does): a storage that cannot be resized."""
+
+    @staticmethod
+    def forward(ctx, w, x):
+        ctx.save_for_backward(x)
+        return w * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return torch.from_numpy((g * x).sum(0).numpy().copy()), None
+
+
+class NumpyGradModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(5, dtype=torch.float64))
+
+    def forward(self, x):
+        return _NumpyGrad.apply(self.w, x)
+
+
+def sc_unresizable(rank):
+    """The only parameter's gradient (its bucket's only one, so adopted as the bucket) lives in
+    memory torch cannot resize: the bucket cannot be parked, and training goes on (it did not:
+    every forward after the second raised "Trying to resize storage that is not resizable")."""
+    import ddpc
+    model = NumpyGradModel()
+    wrapped = ddpc.wrap_model(model)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    errs = []
+    for step in range(4):
+        xs = [torch.randn(3, 5, generator=torch.Generator().manual_seed(10 * step + r),
+                          dtype=torch.float64) for r in range(WORLD)]
+        want = sum(x.sum(0) for x in xs) / WORLD
+        opt.zero_grad(set_to_none=True)
+        wrapped(xs[rank]).sum().backward()
+        errs.append((model.w.grad - want).abs().max().item())
+        opt.step()
+    return {"errs": errs, "parked": list(wrapped._parked)}
+
+
 SCENARIOS = [("broadcast", sc_broadcast), ("rebuild", sc_rebuild), ("lazy", sc_lazy),
-             ("rebuild_none", sc_rebuild_none), ("unused_counts", sc_unused_counts)]
+             ("rebuild_none", sc_rebuild_none), ("unused_counts", sc_unused_counts),
+             ("unresizable", sc_unresizable)]
 
 
 def _worker(rank, port, results):
@@ -344,3 +389,9 @@ def test_buckets_of_none_gradients_are_freed_until_backward_needs_them(runs):
         for name in ("head_a.weight", "head_b.weight", "head_a.bias", "head_b.bias"):
             assert r["steps"][-1]["nonzero"][names.index(name)], name
         assert r["held_intact"] and r["part_intact"]
+
+
+def test_gradient_in_unresizable_memory_is_not_parked(runs):
+    for r in result(runs, "unresizable"):
+        assert len(r["errs"]) == 4 and max(r["errs"]) < 1e-12, r
+        assert r["parked"] == [False], r

@@ -36,14 +36,28 @@ _GRAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def _listed_refs() -> int:
-    """What sys.getrefcount reports for an object held by one list alone, read the way
-    _release_bucket reads it (the interpreter's own references vary between versions)."""
-    probe = [torch.empty(0)]
-    return sys.getrefcount(probe[0])
+def _parking_probe() -> Tuple[int, int]:
+    """(refs, uses): what sys.getrefcount reports for a tensor held by one list alone, read the
+    way _release_bucket reads it, and what torch counts as users of a storage with one tensor on
+    it, read the same way (both differ between interpreter and torch versions). (0, 0) when
+    parking cannot be made safe with this torch: no use count, or a tensor held only from C++
+    (here: saved by autograd for backward) does not show in its Python reference count, so an
+    old gradient kept alive that way would not be seen."""
+    if _storage_use_count is None:
+        return 0, 0
+    probe = [torch.ones(2)]
+    refs = sys.getrefcount(probe[0])
+    st = probe[0].untyped_storage()
+    uses = _storage_use_count(st._cdata)
+    del st
+    leaf = torch.ones(2, requires_grad=True)
+    out = leaf * probe[0]  # mul saves probe[0] for the gradient of leaf
+    seen = sys.getrefcount(probe[0]) > refs
+    del out
+    return (refs, uses) if seen else (0, 0)
 
 
-_LISTED_REFS = _listed_refs()
+_LISTED_REFS, _ONE_TENSOR_USES = _parking_probe()
 
 
 def _shape_str(shape: Sequence[int]) -> str:
@@ -277,6 +291,12 @@ class DistributedModel(torch.nn.Module):
         # cases call the Python slow path, which holds the wrapper only weakly (the parameters
         # keep their hooks alive, and the wrapper keeps the parameters).
         self._grad_hooks = _C.GradHooks(self._make_slow_hook(weakref.ref(self)), list(self._names))
+        if self._device.type == "cuda":
+            # The hooks copy and mark gradients on the stream autograd runs each one on (the
+            # current stream inside the hook), read through this call.
+            self._grad_hooks.current_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
+                                                      None)
+            self._grad_hooks.device = self._device.index
         self._sync_hooks()
         handles = [p.register_post_accumulate_grad_hook(_C.GradHook(self._grad_hooks, i))
                    for i, p in enumerate(self._params)]
@@ -378,9 +398,9 @@ class DistributedModel(torch.nn.Module):
             buf.untyped_storage().resize_(count * buf.element_size())
             if zero:
                 buf.zero_()
-            self._parked[b] = False
             self._reducer.set_bucket_memory(b, buf.data_ptr(),
                                             0 if wire is None else wire.data_ptr(), (buf, wire))
+            self._parked[b] = False
             self._bucket_ptrs[b] = buf.data_ptr()
             return
         if grad is not None:
@@ -389,9 +409,9 @@ class DistributedModel(torch.nn.Module):
             buf = torch.zeros(count, dtype=dtype, device=device)
         else:
             buf = torch.empty(count, dtype=dtype, device=device)
-        self._parked[b] = False
         self._reducer.set_bucket_memory(b, buf.data_ptr(), 0 if wire is None else wire.data_ptr(),
                                         (buf, wire))
+        self._parked[b] = False
         self._buckets[b] = buf
         self._bucket_ptrs[b] = buf.data_ptr()
         if grad is not None:
@@ -417,15 +437,16 @@ class DistributedModel(torch.nn.Module):
         members, views = self._members[b], self._views
         # Nobody else may hold a view, or another tensor on the storage. A view's references:
         # our list's (_LISTED_REFS); an adopted gradient, which is the bucket too, also _buckets'
-        # and `buf`. Torch's count of the storage's tensors: the bucket, one per view (the same
-        # one when adopted), and st.
+        # and `buf`. Torch's count of the storage's users: the bucket and one per view (the same
+        # tensor when adopted), read as _ONE_TENSOR_USES is for one tensor.
         adopted = buf is not None and buf is views[members[0]]
         refs = _LISTED_REFS + (2 if adopted else 0)
-        if (buf is not None and _storage_use_count is not None and
+        if (buf is not None and _LISTED_REFS and
                 all(sys.getrefcount(views[i]) == refs for i in members)):
             st = buf.untyped_storage()
             owners = 1 if adopted else 1 + len(members)
-            if _storage_use_count(st._cdata) == owners + 1:
+            # (memory from NumPy or DLPack, which an adopted gradient may hold, cannot resize)
+            if st.resizable() and _storage_use_count(st._cdata) == owners - 1 + _ONE_TENSOR_USES:
                 st.resize_(0)
                 self._parked[b] = True
                 self._bucket_ptrs[b] = 0
@@ -496,9 +517,9 @@ class DistributedModel(torch.nn.Module):
                     # of the outputs' graph is ready; this covers a backward that does not pass
                     # through it (a loss made from something other than the outputs).
                     model._queue_finalize()
-                # Backward ops run on their forward ops' stream: the one captured when the
-                # forward armed the reducer (a lookup per parameter costs microseconds each).
-                stream = model._fwd_stream if model._is_cuda[i] else 0
+                # The stream autograd runs this gradient's hook on (as the C hooks do): the
+                # copy above ran there too.
+                stream = dist._raw_stream(model._device.index) if model._is_cuda[i] else 0
                 try:
                     model._reducer.mark_ready(i, stream)
                 except ValueError as e:
