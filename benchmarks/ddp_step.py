@@ -106,7 +106,8 @@ def peak_mib(device: torch.device) -> float:
 
 # What the results depend on besides the code, printed with them and written to the JSON.
 ENV_VARS = ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO", "NCCL_IB_DISABLE",
-            "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+            "NCCL_SHM_USE_CUDA_MEMCPY", "NCCL_SHM_MEMCPY_MODE", "CUDA_VISIBLE_DEVICES",
+            "OMP_NUM_THREADS")
 
 
 def describe_env(device: torch.device) -> dict:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, per-call latency, NCCL collectives, DDP step
-# benchmarks (NVLink and NCCL_P2P_DISABLE=1), a profiled step, doctor; on a machine with one GPU,
+# benchmarks (NVLink, NCCL_P2P_DISABLE=1, and that with NCCL's copy-engine SHM copies), doctor; on a machine with one GPU,
 # the 1-GPU tests, the wrappers' cost at one rank, the main job and doctor. Logs (8 files, the device
 # tool's limit) go to $OUT (or ./gpu_out). Each stage has its own time limit and the script goes
 # on after a failing stage, so one run yields every result it can.
@@ -28,7 +28,12 @@ if [ "$NGPU" -ge 2 ]; then
     stage ddp_nvlink 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30
     NCCL_P2P_DISABLE=1 stage ddp_nop2p 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 \
         --steps 30 --p2p off
-    TAIL=40 stage profile 120 $PY benchmarks/profile_step.py --nproc 2 --steps 3 --timeline
+    # NCCL's host-staged path through its copy engines instead of SM copies (the profile stage,
+    # python benchmarks/profile_step.py --nproc 2 --steps 3 --timeline, is left to be run alone:
+    # the tool brings back 8 logs).
+    NCCL_P2P_DISABLE=1 NCCL_SHM_USE_CUDA_MEMCPY=1 NCCL_SHM_MEMCPY_MODE=3 stage ddp_nop2p_ce 120 \
+        $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30 --p2p off \
+        --variants "1 process (no DDP),torch DDP,ddpc,ddpc grad_dtype=bf16"
 else
     # One GPU: no scaling to measure; what each wrapper costs a step with no peer to wait for,
     # where that host time goes, and the README's main job on the GPU.
