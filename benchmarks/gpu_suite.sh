@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, per-call latency, NCCL collectives, DDP step
-# benchmarks (NVLink, NCCL_P2P_DISABLE=1, and that with NCCL's copy-engine SHM copies), doctor; on a machine with one GPU,
-# the 1-GPU tests, the wrappers' cost at one rank, the main job and doctor. Logs (8 files, the device
-# tool's limit) go to $OUT (or ./gpu_out). Each stage has its own time limit and the script goes
-# on after a failing stage, so one run yields every result it can.
+# benchmarks (NVLink, NCCL_P2P_DISABLE=1, and that with NCCL's copy-engine SHM copies), doctor;
+# on a machine with one GPU, the 1-GPU tests, the wrappers' cost at one rank, the main job and
+# doctor. Logs (8 files, the device tool's limit) go to $OUT (or ./gpu_out). Each stage has its
+# own time limit and the script goes on after a failing stage, so one run yields every result
+# it can.
 set -u
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
