@@ -430,6 +430,40 @@ def sc_memory(rank: int, dev: torch.device) -> Dict[str, Any]:
     return out
 
 
+def sc_side_stream(rank: int, dev: torch.device) -> Dict[str, Any]:
+    """Forward and backward on a side stream (as code that overlaps its own work does), with
+    zero_grad(set_to_none=True): gradients are made, copied into their slots and reduced on that
+    stream, and end as the average. Then the forward on the side stream and backward() called
+    from the default stream. Errors against the exact average, per step."""
+    if dev.type != "cuda":
+        return {"skipped": "streams are a cuda matter"}
+    import ddpc
+    model = make(MLP, rank, torch.float64, dev)
+    wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    side = torch.cuda.Stream(dev)
+    out: Dict[str, List[float]] = {"same": [], "mixed": []}
+    for step in range(6):
+        x, y = batch(80 + step, dev)
+        expected = averaged_grads(model, lambda m, r: mse(m(shard(x, r)), shard(y, r)))
+        opt.zero_grad(set_to_none=True)
+        mixed = step >= 3
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000)  # the side stream lags: a missing wait shows
+            loss = mse(wrapped(shard(x, rank)), shard(y, rank))
+            if not mixed:
+                loss.backward()
+        if mixed:
+            loss.backward()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        out["mixed" if mixed else "same"].append(
+            max((p.grad - e).abs().max().item() for p, e in zip(model.parameters(), expected)))
+        opt.step()
+    torch.cuda.synchronize(dev)
+    return out
+
+
 SCENARIOS = [
     ("equivalence", sc_equivalence),
     ("torch_ddp", sc_torch_ddp),
@@ -438,6 +472,7 @@ SCENARIOS = [
     ("bf16", sc_bf16),
     ("amp", sc_amp),
     ("memory", sc_memory),
+    ("side_stream", sc_side_stream),
 ]
 
 
@@ -608,6 +643,14 @@ def check_amp(runs: Dict[int, Dict[str, Any]]) -> None:
         assert r0["params"] == r["params"]
 
 
+def check_side_stream(runs: Dict[int, Dict[str, Any]]) -> None:
+    for r in result(runs, "side_stream"):
+        if "skipped" in r:
+            continue
+        assert len(r["same"]) == 3 and max(r["same"]) < 1e-12, r
+        assert len(r["mixed"]) == 3 and max(r["mixed"]) < 1e-12, r
+
+
 def check_memory(runs: Dict[int, Dict[str, Any]]) -> None:
     for r in result(runs, "memory"):
         if "skipped" in r:
@@ -653,13 +696,18 @@ def test_grads_are_bucket_views_and_peak_memory_is_single_gpu(runs):
     check_memory(runs)
 
 
+def test_forward_and_backward_on_a_side_stream(runs):
+    check_side_stream(runs)
+
+
 if __name__ == "__main__":
     if "--cpu" in sys.argv[1:]:
         t0 = time.monotonic()
         got = run_all("cpu", world=1 if "--one" in sys.argv[1:] else 2)
         for name, check in (("equivalence", check_equivalence), ("torch_ddp", check_torch_ddp),
                             ("branches", check_branches), ("no_sync", check_no_sync),
-                            ("bf16", check_bf16), ("amp", check_amp), ("memory", check_memory)):
+                            ("bf16", check_bf16), ("amp", check_amp), ("memory", check_memory),
+                            ("side_stream", check_side_stream)):
             check(got)
             print(f"ok: {name} ({got[0][name + '_s']:.1f} s)")
         print(f"all scenarios passed on the cpu backend in {time.monotonic() - t0:.1f} s")
