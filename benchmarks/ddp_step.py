@@ -266,6 +266,21 @@ def _worker(rank, args, ports, results):
     ddpc.destroy_process_group()
 
 
+def time_methods(obj, names, timers) -> None:
+    """Wraps obj's methods `names` so that each call adds its seconds to timers[name]."""
+    for name in names:
+        orig = getattr(obj, name)
+
+        def timed(*a, _o=orig, _m=name, **k):
+            t = time.perf_counter()
+            try:
+                return _o(*a, **k)
+            finally:
+                timers[_m] = timers.get(_m, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, timed)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -80,17 +80,8 @@ def worker(rank, world, ports, out, trace=False):
             step()
         timers = {}
         if hasattr(model, "_attach_grads"):
-            for meth in ("_attach_grads", "_arm", "_finalize", "_attach_sink", "_slot_for"):
-                orig = getattr(model, meth)
-
-                def timed(*a, _o=orig, _m=meth, **k):
-                    t = time.perf_counter()
-                    try:
-                        return _o(*a, **k)
-                    finally:
-                        timers[_m] = timers.get(_m, 0.0) + time.perf_counter() - t
-
-                setattr(model, meth, timed)
+            ddp_step.time_methods(
+                model, ("_attach_grads", "_arm", "_finalize", "_attach_sink", "_slot_for"), timers)
         st0 = torch.cuda.memory_stats(dev)
         phases = [step() for _ in range(15)]
         st1 = torch.cuda.memory_stats(dev)

@@ -30,17 +30,7 @@ def measure(ddpc, cap_mb: float, steps: int) -> str:
     opt = torch.optim.SGD(w.parameters(), lr=1e-3)
     x = torch.randint(0, 512, (2, 32))
     timers = {}
-    for meth in METHODS:
-        orig = getattr(w, meth)
-
-        def timed(*a, _o=orig, _m=meth, **k):
-            t = time.perf_counter()
-            try:
-                return _o(*a, **k)
-            finally:
-                timers[_m] = timers.get(_m, 0.0) + time.perf_counter() - t
-
-        setattr(w, meth, timed)
+    ddp_step.time_methods(w, METHODS, timers)
 
     def step():
         w(x).float().logsumexp(-1).mean().backward()

@@ -430,8 +430,8 @@ class DistributedModel(torch.nn.Module):
         (back to the allocator) and the tensor and views stay, to get memory again at the next
         backward without being made anew. Otherwise (the caller still holds an old gradient, or
         a tensor made from one) the wrapper lets go of them and makes new ones when needed."""
-        if self._parked[b]:
-            return
+        if self._parked[b] or self._buckets[b] is None:
+            return  # released already
         self._reducer.release_bucket(b)
         buf = self._buckets[b]
         members, views = self._members[b], self._views
