@@ -107,7 +107,7 @@ def peak_mib(device: torch.device) -> float:
 # What the results depend on besides the code, printed with them and written to the JSON.
 ENV_VARS = ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO", "NCCL_IB_DISABLE",
             "NCCL_SHM_USE_CUDA_MEMCPY", "NCCL_SHM_MEMCPY_MODE", "CUDA_VISIBLE_DEVICES",
-            "OMP_NUM_THREADS")
+            "OMP_NUM_THREADS", "DDPC_NCCL_MIN_CTAS", "DDPC_NCCL_MAX_CTAS")
 
 
 def describe_env(device: torch.device) -> dict:
