@@ -17,6 +17,7 @@
 
 #include "fastar.h"
 #include "group.h"
+#include "staged.h"
 
 /* ---------------------------------------------------------------- the part of NCCL's ABI we use */
 
@@ -371,6 +372,8 @@ typedef struct NcclImpl {
     pthread_t watchdog;
     int watchdog_started;
     struct FastAr *fast;     /* the one-shot path for small all-reduces, NULL when off */
+    DdpcStaged *staged;      /* the copy-engine path for large all-reduces without P2P, or NULL */
+    size_t staged_min_bytes; /* all-reduces of at least this many bytes take it */
 } NcclImpl;
 
 /* What a fast call was, for the message when it fails (the kernel reports only its epoch). */
@@ -542,6 +545,8 @@ static void abort_all(NcclImpl *im) {
         DDPC_INFO("NCCL", "rank %d aborted its communicator: %s", im->g->rank, msg);
     }
     if (locked) pthread_mutex_unlock(&im->comm_mu);
+    /* Staged all-reduces wait on the GPU for counters in host memory: release them. */
+    if (im->staged) ddpc_staged_unblock(im->staged);
     pthread_mutex_lock(&im->mu);
     DdpcWork *list = im->head;
     im->head = im->tail = NULL;
@@ -750,6 +755,7 @@ static void nccl_abort_hook(DdpcGroup *g) {
     NcclImpl *im = g->impl;
     if (!im) return; /* still initializing: nccl_init sees the abort itself */
     if (im->fast) im->fast->ctl->abort = 1;
+    if (im->staged) ddpc_staged_unblock(im->staged);
     pthread_mutex_lock(&im->mu);
     im->abort_requested = 1;
     pthread_cond_signal(&im->cv);
@@ -846,6 +852,8 @@ static ddpc_status exchange_id(DdpcGroup *g, int64_t deadline, ncclUniqueId *id)
 
 static void impl_free(NcclImpl *im) {
     fast_free(im, 1); /* a clean shutdown freed it already (fast_teardown) */
+    if (im->staged) ddpc_staged_close(im->staged, (uintptr_t)im->stream, 1);
+    im->staged = NULL;
     for (int i = 0; i < im->npool; i++) CUDA_LOG(cudaEventDestroy(im->pool[i]));
     free(im->pool);
     if (im->scratch) CUDA_LOG(cudaFree(im->scratch));
@@ -1249,6 +1257,144 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
     return DDPC_OK;
 }
 
+/* ---------------------------------------------------------------- staged all-reduce setup */
+
+typedef struct {
+    int32_t ok;
+    uint64_t segment_bytes;
+    char host[256];
+    char shm[96]; /* rank 0's segment */
+} StagedVote;
+
+static int env_truthy(const char *v) { return v && v[0] && strcmp(v, "0"); }
+
+/* The copy-engine path (staged.h) for all-reduces of at least DDPC_STAGED_MIN_BYTES (1 MiB):
+ * on when DDPC_STAGED_ALLREDUCE=1, or by default when NCCL_P2P_DISABLE is set, and every rank is
+ * on this host. Like fast_setup, every rank votes so all take the same path, and a "no" only
+ * leaves the large all-reduces to NCCL. */
+static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
+    DdpcGroup *g = im->g;
+    char key[256], why[256] = "";
+    const char *env = getenv("DDPC_STAGED_ALLREDUCE"), *p2p = getenv("NCCL_P2P_DISABLE");
+    int wanted = env && env[0] ? env_truthy(env) : env_truthy(p2p);
+    if (g->world < 2) return DDPC_OK;
+    StagedVote mine;
+    memset(&mine, 0, sizeof mine);
+    if (g->host_id[0])
+        snprintf(mine.host, sizeof mine.host, "%s", g->host_id);
+    else
+        ddpc_default_host_id(mine.host, sizeof mine.host);
+    size_t chunk = ddpc_staged_chunk_bytes(g->world);
+    mine.segment_bytes = ddpc_staged_segment_bytes(g->world, chunk);
+    DdpcStaged *s = NULL;
+    /* Every rank votes, also when it does not want the path: a rank whose environment differs
+     * must not leave the others waiting for its vote. */
+    if (!wanted) {
+        snprintf(why, sizeof why, "not wanted (NCCL_P2P_DISABLE and DDPC_STAGED_ALLREDUCE unset)");
+    } else if (g->world > DDPC_STAGED_MAX_RANKS) {
+        snprintf(why, sizeof why, "%d ranks (it takes 2 to %d)", g->world, DDPC_STAGED_MAX_RANKS);
+    } else if (g->rank == 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        snprintf(mine.shm, sizeof mine.shm, "/ddpc-stg-%d-%llx", (int)getpid(),
+                 (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec);
+        if (ddpc_staged_open(0, g->world, chunk, mine.shm, 1, &s) != DDPC_OK)
+            snprintf(why, sizeof why, "%s", ddpc_last_error());
+    }
+    mine.ok = !why[0];
+    ddpc_group_key(g, key, sizeof key, "staged/vote/%d", g->rank);
+    ddpc_status st = ddpc_store_set(g->store, key, &mine, sizeof mine);
+    StagedVote zero;
+    memset(&zero, 0, sizeof zero);
+    int all_ok = mine.ok;
+    for (int r = 0; r < g->world && st == DDPC_OK; r++) {
+        void *val = NULL;
+        size_t len = 0;
+        ddpc_group_key(g, key, sizeof key, "staged/vote/%d", r);
+        if ((st = fast_get(g, key, deadline, &val, &len)) != DDPC_OK) break;
+        if (len != sizeof(StagedVote)) {
+            free(val);
+            st = ddpc_error(DDPC_ERR_PROTOCOL, "%s holds %zu bytes, not %zu: another job shares "
+                            "this store prefix, or the ranks run different ddpc builds", key, len,
+                            sizeof(StagedVote));
+            break;
+        }
+        StagedVote *v = val;
+        v->host[sizeof v->host - 1] = '\0';
+        v->shm[sizeof v->shm - 1] = '\0';
+        if (!v->ok) {
+            if (all_ok && !why[0]) snprintf(why, sizeof why, "rank %d cannot use it", r);
+            all_ok = 0;
+        } else if (strcmp(v->host, mine.host)) {
+            if (all_ok && !why[0]) snprintf(why, sizeof why, "rank %d is on another host", r);
+            all_ok = 0;
+        } else if (v->segment_bytes != mine.segment_bytes) {
+            if (all_ok && !why[0])
+                snprintf(why, sizeof why, "rank %d wants a %llu-byte segment, this rank %llu "
+                         "(DDPC_STAGED_CHUNK_BYTES differs)", r,
+                         (unsigned long long)v->segment_bytes,
+                         (unsigned long long)mine.segment_bytes);
+            all_ok = 0;
+        }
+        if (r == 0) zero = *v;
+        free(val);
+    }
+    if (st != DDPC_OK || !all_ok) {
+        /* Every rank read the same votes: all stop here, without the second vote. */
+        if (s) ddpc_staged_close(s, 0, 0);
+        if (st == DDPC_OK && wanted)
+            DDPC_INFO("NCCL", "rank %d: large all-reduces go through NCCL (no staged path: %s)",
+                      g->rank, why);
+        return st;
+    }
+    if (g->rank != 0 &&
+        ddpc_staged_open(g->rank, g->world, chunk, zero.shm, 0, &s) != DDPC_OK) {
+        snprintf(why, sizeof why, "%s", ddpc_last_error());
+        all_ok = 0;
+    }
+    /* Second vote: did every rank map the segment? Then rank 0 removes its name. */
+    char yes = all_ok ? '1' : '0';
+    ddpc_group_key(g, key, sizeof key, "staged/mapped/%d", g->rank);
+    st = ddpc_store_set(g->store, key, &yes, 1);
+    int enabled = 1;
+    for (int r = 0; r < g->world && st == DDPC_OK; r++) {
+        void *val = NULL;
+        size_t len = 0;
+        ddpc_group_key(g, key, sizeof key, "staged/mapped/%d", r);
+        if ((st = fast_get(g, key, deadline, &val, &len)) != DDPC_OK) break;
+        int ok = len == 1 && ((char *)val)[0] == '1';
+        free(val);
+        if (!ok) {
+            if (enabled && !why[0]) snprintf(why, sizeof why, "rank %d could not map it", r);
+            enabled = 0;
+        }
+    }
+    if (s) ddpc_staged_unlink(s);
+    if (st != DDPC_OK || !enabled) {
+        if (s) ddpc_staged_close(s, 0, 0);
+        if (st == DDPC_OK)
+            DDPC_INFO("NCCL", "rank %d: large all-reduces go through NCCL (no staged path: %s)",
+                      g->rank, why);
+        return st;
+    }
+    size_t min_bytes = (size_t)1 << 20;
+    const char *mv = getenv("DDPC_STAGED_MIN_BYTES");
+    if (mv && *mv) {
+        char *end;
+        unsigned long long n = strtoull(mv, &end, 10);
+        if (*end)
+            DDPC_INFO("NCCL", "ignoring DDPC_STAGED_MIN_BYTES=%s: not a number of bytes", mv);
+        else
+            min_bytes = (size_t)n;
+    }
+    im->staged = s;
+    im->staged_min_bytes = DDPC_MAX(min_bytes, (size_t)1);
+    g->staged_min_bytes = im->staged_min_bytes;
+    DDPC_INFO("NCCL", "rank %d: all-reduces of %zu bytes or more go through pinned host memory on "
+              "the copy engines (%zu-byte chunks)", g->rank, im->staged_min_bytes, chunk);
+    return DDPC_OK;
+}
+
 /* True while a fast call of this rank has not finished and nothing says it never will. */
 static int fast_busy(NcclImpl *im) {
     FastAr *f = im->fast;
@@ -1443,6 +1589,7 @@ static ddpc_status nccl_init(DdpcGroup *g) {
     DDPC_CHECK_GOTO(exchange_id(g, deadline, &id), st, fail);
     DDPC_CHECK_GOTO(init_comm(g, &id, deadline, &im->comm), st, fail);
     DDPC_CHECK_GOTO(fast_setup(im, deadline), st, fail);
+    DDPC_CHECK_GOTO(staged_setup(im, deadline), st, fail);
 
     int rc = pthread_create(&im->watchdog, NULL, watchdog_main, im);
     if (rc != 0) {
@@ -1531,8 +1678,17 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w) {
         describe_work(w, what, sizeof what);
         return aborted_error(im, what);
     }
-    if (call) r = issue(im, a, &name);
-    pthread_mutex_unlock(&im->comm_mu);
+    if (call && im->staged && a->op == DDPC_COLL_ALLREDUCE &&
+        a->count * ddpc_dtype_size(a->dtype) >= im->staged_min_bytes &&
+        ddpc_staged_supported(a->dtype, a->redop)) {
+        st = ddpc_staged_all_reduce(im->staged, a->recv, a->count, a->dtype, a->redop,
+                                    (uintptr_t)im->stream);
+        pthread_mutex_unlock(&im->comm_mu);
+        if (st != DDPC_OK) goto fail;
+    } else {
+        if (call) r = issue(im, a, &name);
+        pthread_mutex_unlock(&im->comm_mu);
+    }
     /* The communicator is blocking: the collective is on the stream when the call returns. */
     if (r != ncclSuccess) {
         st = nccl_fail(r, name, __FILE__, __LINE__);
@@ -1700,6 +1856,12 @@ static void nccl_destroy(DdpcGroup *g) {
     }
     /* After the communicator: fast calls queued behind a stuck NCCL work can drain now. */
     fast_teardown(im);
+    if (im->staged) {
+        ddpc_staged_close(im->staged, (uintptr_t)im->stream,
+                          list != NULL || atomic_load(&g->aborted));
+        im->staged = NULL;
+        g->staged_min_bytes = 0;
+    }
     complete_list(im, list, DDPC_ERR_PEER,
                   "the process group was destroyed while it was in flight");
     /* Works still referenced elsewhere give their events back to no pool from now on. */

@@ -84,4 +84,15 @@ ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc
                       DDPC_NO_CUDA_HINT, n, ddpc_dtype_name(src_dt), ddpc_dtype_name(dst_dt));
 }
 
+ddpc_status ddpc_device_reduce_into(void *dst, const void *const *srcs, int nsrc, ddpc_dtype dt,
+                                    size_t n, int div, uintptr_t stream) {
+    (void)dst;
+    (void)srcs;
+    (void)nsrc;
+    (void)div;
+    (void)stream;
+    return ddpc_error(DDPC_ERR_UNAVAILABLE, "cannot reduce %zu elements of %s on a device: "
+                      DDPC_NO_CUDA_HINT, n, ddpc_dtype_name(dt));
+}
+
 #endif

@@ -223,6 +223,8 @@ ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **o
 ddpc_status ddpc_group_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *args, int *ran);
 /* The largest message ddpc_group_all_reduce_now takes, in bytes (0: it takes none). */
 size_t ddpc_group_fast_max_bytes(const DdpcGroup *g);
+/* The smallest all-reduce that takes the nccl backend's staged copy-engine path (0: none). */
+size_t ddpc_group_staged_min_bytes(const DdpcGroup *g);
 /* Blocks (interruptibly, in slices) until the work is done or its deadline passes. For device
  * work this waits for the host side only when host is set; otherwise see ddpc_work_wait_stream. */
 ddpc_status ddpc_work_wait(DdpcWork *w);
@@ -340,6 +342,12 @@ ddpc_status ddpc_device_copy(void *dst, const void *src, size_t bytes, uintptr_t
 /* dst[i] = (dst_dt)(src[i] * scale) for float32/float16/bfloat16/float64 pairs. */
 ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
                              size_t n, float scale, uintptr_t stream);
+/* dst[i] = (dst[i] + srcs[0][i] + ... + srcs[nsrc-1][i]) / div for the float dtypes, summed in
+ * float (double for float64) and rounded once; div 1 is a plain sum. At most
+ * DDPC_DEVICE_REDUCE_MAX_SRCS sources, none overlapping dst. */
+#define DDPC_DEVICE_REDUCE_MAX_SRCS 7
+ddpc_status ddpc_device_reduce_into(void *dst, const void *const *srcs, int nsrc, ddpc_dtype dt,
+                                    size_t n, int div, uintptr_t stream);
 
 #ifdef __cplusplus
 }

@@ -128,6 +128,41 @@ ddpc_status cast_from(void *dst, const void *src, ddpc_dtype src_dt, size_t n, f
     return ddpc_error(DDPC_ERR_INVALID, "device cast %s: unsupported source dtype", what);
 }
 
+struct Srcs {
+    const void *p[DDPC_DEVICE_REDUCE_MAX_SRCS];
+};
+
+template <typename T>
+__global__ void reduce_into_kernel(T *dst, Srcs srcs, int nsrc, size_t n, int div) {
+    using A = acc_t<T, T>;
+    size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        A acc = to_acc(dst[i]);
+        for (int s = 0; s < nsrc; s++) acc += to_acc(static_cast<const T *>(srcs.p[s])[i]);
+        if (div != 1) acc /= static_cast<A>(div);
+        dst[i] = Convert<T>::from(acc);
+    }
+}
+
+template <typename T>
+ddpc_status reduce_launch(void *dst, const Srcs &srcs, int nsrc, size_t n, int div,
+                          cudaStream_t stream, ddpc_dtype dt) {
+    size_t grid = ceil_div(n, kBlock);
+    /* A memory-bound pass: a few waves of blocks keep HBM busy, more only add scheduling. */
+    if (grid > 1024) grid = 1024;
+    reduce_into_kernel<T><<<(unsigned)grid, kBlock, 0, stream>>>(static_cast<T *>(dst), srcs, nsrc,
+                                                                   n, div);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return ddpc_error(DDPC_ERR_CUDA,
+                          "launching the %s reduction of %zu elements from %d sources (grid %zu x "
+                          "%d) failed: %s (%s); the stream must belong to the current device "
+                          "(%s:%d)",
+                          ddpc_dtype_name(dt), n, nsrc, grid, kBlock, cudaGetErrorName(e),
+                          cudaGetErrorString(e), __FILE__, __LINE__);
+    return DDPC_OK;
+}
+
 bool is_float_dtype(ddpc_dtype dt) {
     return dt == DDPC_FLOAT32 || dt == DDPC_FLOAT64 || dt == DDPC_FLOAT16 || dt == DDPC_BFLOAT16;
 }
@@ -186,4 +221,30 @@ ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc
     default: break;
     }
     return ddpc_error(DDPC_ERR_INVALID, "device cast %s: unsupported destination dtype", what);
+}
+
+ddpc_status ddpc_device_reduce_into(void *dst, const void *const *srcs, int nsrc, ddpc_dtype dt,
+                                    size_t n, int div, uintptr_t stream) {
+    if (nsrc < 0 || nsrc > DDPC_DEVICE_REDUCE_MAX_SRCS || div < 1)
+        return ddpc_error(DDPC_ERR_INVALID, "device reduce: %d sources (at most %d) and divisor %d "
+                          "(at least 1)", nsrc, DDPC_DEVICE_REDUCE_MAX_SRCS, div);
+    if (!is_float_dtype(dt))
+        return ddpc_error(DDPC_ERR_INVALID, "device reduce of %s: only float32, float64, float16 "
+                          "and bfloat16 are supported", ddpc_dtype_name(dt));
+    if (n == 0 || (nsrc == 0 && div == 1)) return DDPC_OK;
+    Srcs s = {};
+    for (int i = 0; i < nsrc; i++) {
+        if (!srcs[i] || !dst)
+            return ddpc_error(DDPC_ERR_INVALID, "device reduce of %zu elements: a NULL pointer", n);
+        s.p[i] = srcs[i];
+    }
+    cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+    switch (dt) {
+    case DDPC_FLOAT32: return reduce_launch<float>(dst, s, nsrc, n, div, st, dt);
+    case DDPC_FLOAT64: return reduce_launch<double>(dst, s, nsrc, n, div, st, dt);
+    case DDPC_FLOAT16: return reduce_launch<__half>(dst, s, nsrc, n, div, st, dt);
+    case DDPC_BFLOAT16: return reduce_launch<__nv_bfloat16>(dst, s, nsrc, n, div, st, dt);
+    default: break;
+    }
+    return ddpc_error(DDPC_ERR_INVALID, "device reduce: unsupported dtype");
 }

@@ -606,6 +606,11 @@ static PyObject *Group_get_fast_max_bytes(GroupObject *self, void *c) {
     return group_ready(self) ? PyLong_FromSize_t(ddpc_group_fast_max_bytes(self->g)) : NULL;
 }
 
+static PyObject *Group_get_staged_min_bytes(GroupObject *self, void *c) {
+    (void)c;
+    return group_ready(self) ? PyLong_FromSize_t(ddpc_group_staged_min_bytes(self->g)) : NULL;
+}
+
 static PyGetSetDef Group_getset[] = {
     {"rank", (getter)Group_get_rank, NULL, NULL, NULL},
     {"world_size", (getter)Group_get_size, NULL, NULL, NULL},
@@ -614,6 +619,9 @@ static PyGetSetDef Group_getset[] = {
     {"timeout", (getter)Group_get_timeout, NULL, "seconds", NULL},
     {"fast_max_bytes", (getter)Group_get_fast_max_bytes, NULL,
      "largest all_reduce that takes the one-shot path (bytes; 0: none)", NULL},
+    {"staged_min_bytes", (getter)Group_get_staged_min_bytes, NULL,
+     "smallest all_reduce that goes through pinned host memory on the copy engines (bytes; 0: "
+     "none)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

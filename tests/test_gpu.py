@@ -390,6 +390,88 @@ def _w_fast_mismatch(rank: int, world: int, ddpc: Any, torch: Any,
     return {"raised": None}
 
 
+def _w_staged(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dict[str, Any]:
+    """The staged copy-engine path (NCCL_P2P_DISABLE=1 in the environment): float dtypes, sum and
+    average, sizes at its threshold, around a chunk boundary and several chunks long with an odd
+    tail; every rank ends with the same bits; many calls queued at once reuse the host slots in
+    order; a tensor that is a view at an odd offset; an async call then the caller's own work."""
+    failures: List[str] = []
+    dev = torch.device("cuda", rank)
+    group = ddpc.distributed._require().group
+    floor = group.staged_min_bytes
+    if floor <= 0:
+        return {"failures": [f"the staged path is off on rank {rank} (staged_min_bytes=0)"]}
+    chunk = int(os.environ.get("DDPC_STAGED_CHUNK_BYTES", str((8 << 20) // world)))
+    for dtype in ["float32", "bfloat16", "float16", "float64"]:
+        esize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        sizes = [floor // esize, chunk // esize + 1, 3 * chunk // esize + 12345]
+        for n in sizes:
+            xs = [_input(torch, dtype, r, n) for r in range(world)]
+            for op in ["sum", "avg"]:
+                t = xs[rank].to(dev)
+                ddpc.all_reduce(t, op=op)
+                failures.append(_compare(torch, t, xs, op, f"staged all_reduce {op} {dtype} n={n}"))
+                both = torch.empty(world * n, dtype=t.dtype, device=dev)
+                ddpc.all_gather_into_tensor(both, t)
+                if not torch.equal(both[:n], both[n:2 * n]):
+                    failures.append(f"staged all_reduce {op} {dtype} n={n}: ranks hold different "
+                                    "bits")
+    # Twenty calls queued without waiting: 5 chunks each, so the 4 host slots turn over many
+    # times, and each call must see only its own data.
+    n = (5 * chunk) // 4
+    ts = [torch.full((n,), float(i * 10 + rank + 1), device=dev) for i in range(20)]
+    works = [ddpc.all_reduce(t, async_op=True) for t in ts]
+    for w in works:
+        w.wait()
+    for i, t in enumerate(ts):
+        want = float(sum(i * 10 + r + 1 for r in range(world)))
+        if not torch.all(t == want).item():
+            failures.append(f"queued staged all_reduce {i} of 20 holds {t.unique()[:4].tolist()}, "
+                            f"expected {want}")
+            break
+    # A view 3 elements into its storage: rank-dependent data, the exact sum checked.
+    base = torch.zeros(chunk + 3, device=dev)
+    v = base[3:]
+    v.copy_(torch.arange(chunk, device=dev, dtype=torch.float32) * (rank + 1))
+    ddpc.all_reduce(v)
+    want = torch.arange(chunk, device=dev, dtype=torch.float32) * sum(range(1, world + 1))
+    if not torch.equal(v, want) or base[:3].abs().sum().item() != 0:
+        failures.append("staged all_reduce of a view at an odd offset: wrong result or it wrote "
+                        "outside the view")
+    # The caller's stream resumes after the collective: a kernel queued right after wait() sees
+    # the reduced values.
+    x = torch.full((3 * chunk // 4,), float(rank + 1), device=dev)
+    w = ddpc.all_reduce(x, async_op=True)
+    w.wait()
+    y = x * 2
+    if not torch.all(y == 2.0 * sum(range(1, world + 1))).item():
+        failures.append("work queued after wait() on a staged all_reduce saw unreduced data")
+    return {"failures": [f for f in failures if f]}
+
+
+def _w_staged_victim(rank: int, world: int, ddpc: Any, torch: Any, results: Any,
+                     victim: int) -> Dict[str, Any]:
+    """Like _w_victim with a 64 MiB all-reduce on the staged path: the survivor's streams wait on
+    counters in host memory that the dead rank never writes; it must still raise in time."""
+    t = torch.ones(16 << 20, device=torch.device("cuda", rank))
+    ddpc.all_reduce(t)
+    torch.cuda.synchronize()
+    staged = ddpc.distributed._require().group.staged_min_bytes
+    ddpc.barrier()
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    try:
+        ddpc.all_reduce(t)
+        ddpc.barrier()
+        torch.cuda.synchronize()
+    except ddpc.DistributedError as e:
+        return {"raised": type(e).__name__, "message": str(e), "after": time.monotonic() - t0,
+                "staged": staged}
+    return {"raised": None, "after": time.monotonic() - t0, "staged": staged}
+
+
 # ------------------------------------------------------------------------- tests
 
 
@@ -525,3 +607,31 @@ def test_device_kernels():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v", "-m", "gpu"]))
+
+
+@needs_2
+def test_staged_all_reduce_without_p2p(monkeypatch):
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    monkeypatch.delenv("DDPC_STAGED_ALLREDUCE", raising=False)
+    _assert_no_failures(_run_ranks(_w_staged))
+
+
+@needs_2
+def test_staged_all_reduce_small_chunks(monkeypatch):
+    # 64 KiB chunks: many chunks per call and many slot turns; forced on with P2P available.
+    monkeypatch.setenv("DDPC_STAGED_ALLREDUCE", "1")
+    monkeypatch.setenv("DDPC_STAGED_CHUNK_BYTES", "65536")
+    monkeypatch.setenv("DDPC_STAGED_MIN_BYTES", "65536")
+    _assert_no_failures(_run_ranks(_w_staged))
+
+
+@needs_2
+def test_staged_killed_rank_makes_survivor_raise(monkeypatch):
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    timeout = 30.0
+    res = _run_ranks(_w_staged_victim, timeout=timeout, expect=[0], victim=1)
+    out = res[0]
+    assert out["staged"] > 0, "the staged path was not on"
+    assert out["raised"], "rank 0 did not raise after rank 1 died"
+    assert out["after"] < timeout, out
+    assert "rank 1" in out["message"], out["message"]

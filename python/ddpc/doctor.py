@@ -534,6 +534,7 @@ def _bench_worker(rank: int, world: int, port: int, token: str, torch_port: int,
         result["seconds"] = _time_loop(torch, once, iters)
         result["correct"] = bool(torch.all(x == 1.0).item())
         result["fast_max_bytes"] = group.fast_max_bytes
+        result["staged_min_bytes"] = group.staged_min_bytes
         group.destroy()
         store.close()
         import torch.distributed as dist
@@ -625,6 +626,10 @@ def check_bandwidth(rep: Report, visible: Sequence[Gpu], nccl: Optional[str], to
         rep.verdict("NOTE", "small all-reduces go through NCCL (the one-shot kernel is off: "
                             "NCCL_P2P_DISABLE, DDPC_FAST_ALLREDUCE=0, no P2P between the GPUs, or "
                             "ranks on different hosts; DDPC_DEBUG=INFO says which)")
+    staged = min(r.get("staged_min_bytes", 0) for r in results)
+    if staged:
+        rep.verdict("OK", f"all-reduces of {staged // 1024} KiB or more go through pinned host "
+                          "memory on the copy engines (ddpc's staged path: P2P is off)")
 
 
 # ------------------------------------------------------------------------- main

@@ -1,0 +1,81 @@
+/* staged.h: the all-reduce of large device buffers between GPUs of one host that may not reach
+ * each other directly (NCCL_P2P_DISABLE=1, or no P2P between them), through pinned shared host
+ * memory moved by the copy engines. comm_nccl.c decides when to use it and sets it up with the
+ * peers through the store; staged.c does the work.
+ *
+ * Why: without P2P, NCCL stages through host memory with SM copies, about 11 GB/s between two
+ * H200s, so a step's gradients (325 MB in bfloat16 for a GPT-2 sized model) take longer than the
+ * backward pass they should hide behind. cudaMemcpyAsync to and from pinned memory runs on the
+ * copy engines at PCIe speed in both directions at once, and takes no SMs from the backward.
+ *
+ * How: a buffer is cut into chunks and each chunk into one segment per rank. For each chunk a rank
+ *   1. copies the segments it does not own into its send slot (device to host),
+ *   2. copies its own segment of every peer's send slot into device scratch (host to device) and
+ *      reduces them into its buffer (a kernel),
+ *   3. copies that reduced segment into its out slot (device to host),
+ *   4. copies the peers' reduced segments from their out slots into its buffer (host to device).
+ * Only the owner reduces a segment, so every rank ends with bitwise the same values. Ordering
+ * across processes is on the GPU: each step ends with cuStreamWriteValue32 of a counter into every
+ * peer's mailbox in the shared memory, and the step that needs it starts with cuStreamWaitValue32
+ * on this rank's mailbox. Device-to-host copies run on a side stream, host-to-device copies and
+ * the reductions on the communication stream, so both PCIe directions stay busy. Every wait is
+ * for a step that every rank issues earlier in the same per-chunk order, so no schedule of the two
+ * streams (even on one hardware queue) can deadlock. Counters only grow (compared cyclically):
+ * slots are reused after the peers said they read them.
+ *
+ * Failure: the counters a rank waits on live in its own mailbox, so after an abort the host writes
+ * them far ahead (ddpc_staged_unblock) and the streams drain without touching the peers' waits.
+ * The works of an aborted group fail; whatever the unblocked copies leave in the buffer is not
+ * reported as a result. */
+#ifndef DDPC_STAGED_H
+#define DDPC_STAGED_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ddpc.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DDPC_STAGED_MAX_RANKS 8
+#define DDPC_STAGED_SLOTS 4
+
+typedef struct DdpcStaged DdpcStaged;
+
+/* 1 when the staged path handles this dtype and reduction (float types; sum and average). */
+int ddpc_staged_supported(ddpc_dtype dt, ddpc_redop op);
+
+/* The chunk size for `world` ranks (DDPC_STAGED_CHUNK_BYTES overrides it) and the bytes of the
+ * shared segment it needs. */
+size_t ddpc_staged_chunk_bytes(int world);
+size_t ddpc_staged_segment_bytes(int world, size_t chunk_bytes);
+
+/* Maps the shared segment `shm_name` (created, with the space reserved, when `create`), registers
+ * it with CUDA, and makes the side stream, events and scratch on the current device. The error
+ * message says what failed; nothing is left behind (a created name is unlinked). */
+ddpc_status ddpc_staged_open(int rank, int world, size_t chunk_bytes, const char *shm_name,
+                             int create, DdpcStaged **out);
+
+/* Removes the segment's name (once every rank has it mapped, or after a failed setup). */
+void ddpc_staged_unlink(DdpcStaged *s);
+
+/* Queues the all-reduce of count elements at buf (device memory of the current device) on
+ * `stream`: it starts after the work queued there so far, and the work queued there later starts
+ * after it. Every rank must call it with the same count, dtype and op, in the same order. */
+ddpc_status ddpc_staged_all_reduce(DdpcStaged *s, void *buf, size_t count, ddpc_dtype dt,
+                                   ddpc_redop op, uintptr_t stream);
+
+/* After an abort: releases every wait this rank's streams have queued or will queue. */
+void ddpc_staged_unblock(DdpcStaged *s);
+
+/* Frees everything once the side stream and `stream` are idle. aborted: keep unblocking while
+ * waiting. When they do not drain within a few seconds the memory stays allocated (a peer or the
+ * device may still touch it) and a message says so. */
+void ddpc_staged_close(DdpcStaged *s, uintptr_t stream, int aborted);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDPC_STAGED_H */
