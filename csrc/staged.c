@@ -41,8 +41,11 @@ struct DdpcStaged {
     Mailbox *mail;       /* [world receivers][world senders] */
     size_t send_off, out_off; /* send slots [world][SLOTS][chunk_bytes], out slots [..][seg_cap] */
     void *scratch;       /* device: (world - 1) segments from the peers */
-    cudaStream_t side;   /* device-to-host copies */
-    cudaEvent_t start, reduced, side_done;
+    /* One stream per step, so a step waiting for a peer holds back only later chunks of that
+     * step: send (device to host), reduce (host to device, kernel), publish (device to host);
+     * gather (host to device) runs on the caller's stream. */
+    cudaStream_t side, red, pub;
+    cudaEvent_t start, reduced, side_done, pub_done;
     uint32_t t;          /* chunks issued so far (all ranks alike) */
     StreamValueFn wait_value, write_value;
     char name[96];
@@ -104,7 +107,10 @@ static void staged_free(DdpcStaged *s) {
     if (s->start) (void)cudaEventDestroy(s->start);
     if (s->reduced) (void)cudaEventDestroy(s->reduced);
     if (s->side_done) (void)cudaEventDestroy(s->side_done);
+    if (s->pub_done) (void)cudaEventDestroy(s->pub_done);
     if (s->side) (void)cudaStreamDestroy(s->side);
+    if (s->red) (void)cudaStreamDestroy(s->red);
+    if (s->pub) (void)cudaStreamDestroy(s->pub);
     if (s->registered) (void)cudaHostUnregister(s->map);
     if (s->map) munmap(s->map, s->map_len);
     (void)cudaGetLastError();
@@ -180,9 +186,14 @@ ddpc_status ddpc_staged_open(int rank, int world, size_t chunk_bytes, const char
     DDPC_CUDACHECK_GOTO(cudaDeviceGetStreamPriorityRange(&least, &greatest), st, fail);
     DDPC_CUDACHECK_GOTO(cudaStreamCreateWithPriority(&s->side, cudaStreamNonBlocking, greatest),
                         st, fail);
+    DDPC_CUDACHECK_GOTO(cudaStreamCreateWithPriority(&s->red, cudaStreamNonBlocking, greatest),
+                        st, fail);
+    DDPC_CUDACHECK_GOTO(cudaStreamCreateWithPriority(&s->pub, cudaStreamNonBlocking, greatest),
+                        st, fail);
     DDPC_CUDACHECK_GOTO(cudaEventCreateWithFlags(&s->start, cudaEventDisableTiming), st, fail);
     DDPC_CUDACHECK_GOTO(cudaEventCreateWithFlags(&s->reduced, cudaEventDisableTiming), st, fail);
     DDPC_CUDACHECK_GOTO(cudaEventCreateWithFlags(&s->side_done, cudaEventDisableTiming), st, fail);
+    DDPC_CUDACHECK_GOTO(cudaEventCreateWithFlags(&s->pub_done, cudaEventDisableTiming), st, fail);
     DDPC_CUDACHECK_GOTO(cudaMalloc(&s->scratch, (size_t)(world - 1) * s->seg_cap), st, fail);
     *out = s;
     return DDPC_OK;
@@ -255,7 +266,7 @@ static ddpc_status copy(void *dst, const void *src, size_t bytes, cudaStream_t s
     return DDPC_OK;
 }
 
-/* 1 (side stream): the segments this rank does not own, into its send slot. */
+/* 1 (send stream): the segments this rank does not own, into its send slot. */
 static ddpc_status send_chunk(DdpcStaged *s, const Chunk *c, size_t es) {
     const int r = s->rank;
     for (int q = 0; q < s->world; q++)
@@ -268,9 +279,9 @@ static ddpc_status send_chunk(DdpcStaged *s, const Chunk *c, size_t es) {
     return signal_peers(s, s->side, F_SENT, c->t + 1);
 }
 
-/* 2 (communication stream): the peers' copies of this rank's segment, summed into it. */
-static ddpc_status reduce_chunk(DdpcStaged *s, const Chunk *c, size_t es, ddpc_dtype dt, int div,
-                                cudaStream_t stream) {
+/* 2 (reduce stream): the peers' copies of this rank's segment, summed into it. */
+static ddpc_status reduce_chunk(DdpcStaged *s, const Chunk *c, size_t es, ddpc_dtype dt, int div) {
+    cudaStream_t stream = s->red;
     const int r = s->rank;
     size_t off = seg_start(c, r), n = seg_start(c, r + 1) - off;
     const void *srcs[DDPC_STAGED_MAX_RANKS];
@@ -288,20 +299,20 @@ static ddpc_status reduce_chunk(DdpcStaged *s, const Chunk *c, size_t es, ddpc_d
     return DDPC_OK;
 }
 
-/* 3 (side stream): this rank's reduced segment into its out slot. The event was recorded by
+/* 3 (publish stream): this rank's reduced segment into its out slot. The event was recorded by
  * reduce_chunk of this chunk and not yet re-recorded (the caller's order guarantees it). */
 static ddpc_status publish_chunk(DdpcStaged *s, const Chunk *c, size_t es) {
     const int r = s->rank;
-    DDPC_CUDACHECK(cudaStreamWaitEvent(s->side, s->reduced, 0));
+    DDPC_CUDACHECK(cudaStreamWaitEvent(s->pub, s->reduced, 0));
     for (int q = 0; q < s->world; q++)
         if (q != r)
-            DDPC_CHECK(wait_peer(s, s->side, q, F_READ_OUT, c->t - DDPC_STAGED_SLOTS + 1));
+            DDPC_CHECK(wait_peer(s, s->pub, q, F_READ_OUT, c->t - DDPC_STAGED_SLOTS + 1));
     size_t off = seg_start(c, r), n = seg_start(c, r + 1) - off;
-    DDPC_CHECK(copy(out_slot(s, r, c->slot), c->base + off * es, n * es, s->side));
-    return signal_peers(s, s->side, F_REDUCED, c->t + 1);
+    DDPC_CHECK(copy(out_slot(s, r, c->slot), c->base + off * es, n * es, s->pub));
+    return signal_peers(s, s->pub, F_REDUCED, c->t + 1);
 }
 
-/* 4 (communication stream): the peers' reduced segments into the buffer. */
+/* 4 (the caller's stream): the peers' reduced segments into the buffer. */
 static ddpc_status gather_chunk(DdpcStaged *s, const Chunk *c, size_t es, cudaStream_t stream) {
     for (int q = 0; q < s->world; q++) {
         if (q == s->rank) continue;
@@ -341,19 +352,24 @@ ddpc_status ddpc_staged_all_reduce(DdpcStaged *s, void *buf, size_t count, ddpc_
     char *b = buf;
     DDPC_CUDACHECK(cudaEventRecord(s->start, stream));
     DDPC_CUDACHECK(cudaStreamWaitEvent(s->side, s->start, 0));
-    /* Chunk k's send overlaps chunk k-1's publish on the side stream, and its reduction chunk
-     * k-1's gather on the communication stream. */
+    DDPC_CUDACHECK(cudaStreamWaitEvent(s->red, s->start, 0));
+    /* The four steps of consecutive chunks (and of the next call's first chunks) overlap. Every
+     * wait is for a step issued earlier on every rank, so the issue order is a schedule that
+     * cannot deadlock however the streams are mapped onto hardware queues. */
     for (size_t k = 0; k <= nk; k++) {
         Chunk cur = chunk_of(s, b, count, es, k < nk ? k : 0, t0);
         Chunk prev = chunk_of(s, b, count, es, k ? k - 1 : 0, t0);
         if (k < nk) DDPC_CHECK(send_chunk(s, &cur, es));
         if (k >= 1) DDPC_CHECK(publish_chunk(s, &prev, es));
-        if (k < nk) DDPC_CHECK(reduce_chunk(s, &cur, es, dt, div, stream));
+        if (k < nk) DDPC_CHECK(reduce_chunk(s, &cur, es, dt, div));
         if (k >= 1) DDPC_CHECK(gather_chunk(s, &prev, es, stream));
     }
-    /* The buffer is the caller's again only when the side stream has read it too. */
+    /* The buffer is the caller's again only when the send and publish streams have read it too
+     * (the publish of the last chunk comes after its reduction). */
     DDPC_CUDACHECK(cudaEventRecord(s->side_done, s->side));
     DDPC_CUDACHECK(cudaStreamWaitEvent(stream, s->side_done, 0));
+    DDPC_CUDACHECK(cudaEventRecord(s->pub_done, s->pub));
+    DDPC_CUDACHECK(cudaStreamWaitEvent(stream, s->pub_done, 0));
     return DDPC_OK;
 }
 
@@ -381,6 +397,8 @@ void ddpc_staged_close(DdpcStaged *s, uintptr_t stream, int aborted) {
         /* A peer that is still running may lower a counter again: unblock on every round. */
         if (aborted || i >= 1000) ddpc_staged_unblock(s);
         cudaError_t a = cudaStreamQuery(s->side);
+        if (a == cudaSuccess) a = cudaStreamQuery(s->red);
+        if (a == cudaSuccess) a = cudaStreamQuery(s->pub);
         cudaError_t b = stream ? cudaStreamQuery((cudaStream_t)stream) : cudaSuccess;
         if (a == cudaSuccess && b == cudaSuccess) {
             drained = 1;

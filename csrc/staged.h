@@ -17,10 +17,11 @@
  * Only the owner reduces a segment, so every rank ends with bitwise the same values. Ordering
  * across processes is on the GPU: each step ends with cuStreamWriteValue32 of a counter into every
  * peer's mailbox in the shared memory, and the step that needs it starts with cuStreamWaitValue32
- * on this rank's mailbox. Device-to-host copies run on a side stream, host-to-device copies and
- * the reductions on the communication stream, so both PCIe directions stay busy. Every wait is
- * for a step that every rank issues earlier in the same per-chunk order, so no schedule of the two
- * streams (even on one hardware queue) can deadlock. Counters only grow (compared cyclically):
+ * on this rank's mailbox. Each step has its own stream (the gather runs on the caller's), so a
+ * step waiting for a peer holds back only that step of later chunks: both PCIe directions stay
+ * busy, across consecutive calls too (a gradient bucket's chunks behind the last one's). Every
+ * wait is for a step that every rank issues earlier in the same per-chunk order, so no schedule
+ * of the streams (even all on one hardware queue) can deadlock. Counters only grow (compared cyclically):
  * slots are reused after the peers said they read them.
  *
  * Failure: the counters a rank waits on live in its own mailbox, so after an abort the host writes
@@ -53,7 +54,7 @@ size_t ddpc_staged_chunk_bytes(int world);
 size_t ddpc_staged_segment_bytes(int world, size_t chunk_bytes);
 
 /* Maps the shared segment `shm_name` (created, with the space reserved, when `create`), registers
- * it with CUDA, and makes the side stream, events and scratch on the current device. The error
+ * it with CUDA, and makes the streams, events and scratch on the current device. The error
  * message says what failed; nothing is left behind (a created name is unlinked). */
 ddpc_status ddpc_staged_open(int rank, int world, size_t chunk_bytes, const char *shm_name,
                              int create, DdpcStaged **out);
@@ -70,7 +71,7 @@ ddpc_status ddpc_staged_all_reduce(DdpcStaged *s, void *buf, size_t count, ddpc_
 /* After an abort: releases every wait this rank's streams have queued or will queue. */
 void ddpc_staged_unblock(DdpcStaged *s);
 
-/* Frees everything once the side stream and `stream` are idle. aborted: keep unblocking while
+/* Frees everything once its streams and `stream` are idle. aborted: keep unblocking while
  * waiting. When they do not drain within a few seconds the memory stays allocated (a peer or the
  * device may still touch it) and a message says so. */
 void ddpc_staged_close(DdpcStaged *s, uintptr_t stream, int aborted);
