@@ -1261,7 +1261,7 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
 
 typedef struct {
     int32_t ok;
-    uint64_t segment_bytes;
+    uint64_t chunk_bytes; /* rank 0's is used by all */
     char host[256];
     char shm[96]; /* rank 0's segment */
 } StagedVote;
@@ -1285,7 +1285,7 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
     else
         ddpc_default_host_id(mine.host, sizeof mine.host);
     size_t chunk = ddpc_staged_chunk_bytes(g->world);
-    mine.segment_bytes = ddpc_staged_segment_bytes(g->world, chunk);
+    mine.chunk_bytes = chunk;
     DdpcStaged *s = NULL;
     /* Every rank votes, also when it does not want the path: a rank whose environment differs
      * must not leave the others waiting for its vote. */
@@ -1328,13 +1328,6 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
         } else if (strcmp(v->host, mine.host)) {
             if (all_ok && !why[0]) snprintf(why, sizeof why, "rank %d is on another host", r);
             all_ok = 0;
-        } else if (v->segment_bytes != mine.segment_bytes) {
-            if (all_ok && !why[0])
-                snprintf(why, sizeof why, "rank %d wants a %llu-byte segment, this rank %llu "
-                         "(DDPC_STAGED_CHUNK_BYTES differs)", r,
-                         (unsigned long long)v->segment_bytes,
-                         (unsigned long long)mine.segment_bytes);
-            all_ok = 0;
         }
         if (r == 0) zero = *v;
         free(val);
@@ -1346,6 +1339,12 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
             DDPC_INFO("NCCL", "rank %d: large all-reduces go through NCCL (no staged path: %s)",
                       g->rank, why);
         return st;
+    }
+    chunk = (size_t)zero.chunk_bytes;
+    if (chunk < 4096 || chunk % 4096) {
+        if (s) ddpc_staged_close(s, 0, 0);
+        return ddpc_error(DDPC_ERR_PROTOCOL, "rank 0 chose a staged chunk of %zu bytes: the ranks "
+                          "run different ddpc builds", chunk);
     }
     if (g->rank != 0 &&
         ddpc_staged_open(g->rank, g->world, chunk, zero.shm, 0, &s) != DDPC_OK) {

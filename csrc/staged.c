@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -59,10 +60,11 @@ int ddpc_staged_supported(ddpc_dtype dt, ddpc_redop op) {
 
 static size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
-/* 4 MiB chunks for 2 ranks (8 MiB / world in general), so the segment stays near 48 MiB, inside
- * docker's default 64 MiB /dev/shm. */
+/* The largest chunk: 16 MiB for 2 ranks (32 MiB / world), fewer host calls per gradient bucket
+ * (each chunk costs about 16 queued operations), halved while the segment would take more than
+ * half of /dev/shm's free space (docker's default /dev/shm is 64 MiB). DDPC_STAGED_CHUNK_BYTES
+ * sets it exactly; rank 0's choice holds for all ranks. */
 size_t ddpc_staged_chunk_bytes(int world) {
-    size_t cb = ((size_t)8 << 20) / (size_t)(world > 1 ? world : 2);
     const char *v = getenv("DDPC_STAGED_CHUNK_BYTES");
     if (v && *v) {
         char *end;
@@ -71,9 +73,16 @@ size_t ddpc_staged_chunk_bytes(int world) {
             DDPC_INFO("NCCL", "ignoring DDPC_STAGED_CHUNK_BYTES=%s: must be in [65536, 67108864]",
                       v);
         else
-            cb = (size_t)n;
+            return round_up((size_t)n, 4096);
     }
-    return round_up(cb, 4096);
+    size_t cb = round_up(((size_t)32 << 20) / (size_t)(world > 1 ? world : 2), 4096);
+    struct statvfs fs;
+    if (statvfs("/dev/shm", &fs) == 0) {
+        size_t avail = (size_t)fs.f_bavail * (size_t)fs.f_frsize;
+        while (cb > ((size_t)256 << 10) && ddpc_staged_segment_bytes(world, cb) > avail / 2)
+            cb = round_up(cb / 2, 4096);
+    }
+    return cb;
 }
 
 static size_t seg_cap_of(int world, size_t chunk_bytes) {
@@ -323,9 +332,8 @@ static ddpc_status gather_chunk(DdpcStaged *s, const Chunk *c, size_t es, cudaSt
     return signal_peers(s, stream, F_READ_OUT, c->t + 1);
 }
 
-static Chunk chunk_of(const DdpcStaged *s, char *buf, size_t count, size_t es, size_t k,
-                      uint32_t t0) {
-    size_t ce = s->chunk_bytes / es;
+static Chunk chunk_of(const DdpcStaged *s, char *buf, size_t count, size_t es, size_t ce,
+                      size_t k, uint32_t t0) {
     Chunk c;
     c.base = buf + k * ce * es;
     c.n = DDPC_MIN(ce, count - k * ce);
@@ -343,7 +351,14 @@ ddpc_status ddpc_staged_all_reduce(DdpcStaged *s, void *buf, size_t count, ddpc_
     if (!count) return DDPC_OK;
     cudaStream_t stream = (cudaStream_t)stream_;
     size_t es = ddpc_dtype_size(dt);
-    size_t ce = s->chunk_bytes / es;
+    /* Elements per chunk, the same on every rank: calls under 4 MiB in up to 4 chunks of at
+     * least 256 KiB, so the steps overlap even in one call; larger ones in the largest chunks,
+     * so a gradient bucket costs few host calls. */
+    size_t ce = s->chunk_bytes / es, bytes = count * es;
+    if (bytes < ((size_t)4 << 20)) {
+        size_t parts = DDPC_MIN((size_t)4, (bytes + (256u << 10) - 1) / (256u << 10));
+        ce = DDPC_MIN(ce, round_up((count + parts - 1) / parts, 16));
+    }
     size_t nk = (count + ce - 1) / ce;
     uint32_t t0 = s->t;
     /* Whatever happens below, every rank counts the same chunks (a failure aborts the group). */
@@ -357,8 +372,8 @@ ddpc_status ddpc_staged_all_reduce(DdpcStaged *s, void *buf, size_t count, ddpc_
      * wait is for a step issued earlier on every rank, so the issue order is a schedule that
      * cannot deadlock however the streams are mapped onto hardware queues. */
     for (size_t k = 0; k <= nk; k++) {
-        Chunk cur = chunk_of(s, b, count, es, k < nk ? k : 0, t0);
-        Chunk prev = chunk_of(s, b, count, es, k ? k - 1 : 0, t0);
+        Chunk cur = chunk_of(s, b, count, es, ce, k < nk ? k : 0, t0);
+        Chunk prev = chunk_of(s, b, count, es, ce, k ? k - 1 : 0, t0);
         if (k < nk) DDPC_CHECK(send_chunk(s, &cur, es));
         if (k >= 1) DDPC_CHECK(publish_chunk(s, &prev, es));
         if (k < nk) DDPC_CHECK(reduce_chunk(s, &cur, es, dt, div));

@@ -401,10 +401,15 @@ def _w_staged(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dic
     floor = group.staged_min_bytes
     if floor <= 0:
         return {"failures": [f"the staged path is off on rank {rank} (staged_min_bytes=0)"]}
-    chunk = int(os.environ.get("DDPC_STAGED_CHUNK_BYTES", str((8 << 20) // world)))
+    # The default largest chunk (it may be smaller when /dev/shm is small: then these sizes
+    # still cover several chunks each).
+    chunk = int(os.environ.get("DDPC_STAGED_CHUNK_BYTES", str((32 << 20) // world)))
     for dtype in ["float32", "bfloat16", "float16", "float64"]:
         esize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-        sizes = [floor // esize, chunk // esize + 1, 3 * chunk // esize + 12345]
+        # At the threshold and just under 4 MiB (split in 4 chunks), one element over a chunk,
+        # and several chunks with an odd tail.
+        sizes = [floor // esize, (4 << 20) // esize - 3, chunk // esize + 1,
+                 3 * chunk // esize + 12345]
         for n in sizes:
             xs = [_input(torch, dtype, r, n) for r in range(world)]
             for op in ["sum", "avg"]:
