@@ -221,6 +221,9 @@ def _worker(rank, args, ports, results):
     for cap in args.extra_caps:
         variants.append(Variant(f"ddpc bucket_cap_mb={cap:g}",
                                 lambda m, cap=cap: ddpc.wrap_model(m, bucket_cap_mb=cap)))
+        variants.append(Variant(f"ddpc bf16 bucket_cap_mb={cap:g}",
+                                lambda m, cap=cap: ddpc.wrap_model(m, bucket_cap_mb=cap,
+                                                                   grad_dtype=torch.bfloat16)))
     if args.variants:
         keep = [k.strip() for k in args.variants.split(",")]
         unknown = [k for k in keep if not any(v.name == k for v in variants)]
@@ -301,7 +304,8 @@ def main() -> int:
     ap.add_argument("--variants", default="",
                     help="comma-separated variant names to run (default: all)")
     ap.add_argument("--extra-caps", type=float, nargs="*", default=[],
-                    help="also run ddpc with these bucket_cap_mb values")
+                    help="also run ddpc (float32 and bfloat16 gradients) with these "
+                         "bucket_cap_mb values")
     ap.add_argument("--timeout", type=float, default=200.0,
                     help="seconds before the workers are stopped (default 200)")
     args = ap.parse_args()
