@@ -451,6 +451,21 @@ def _w_staged(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dic
     y = x * 2
     if not torch.all(y == 2.0 * sum(range(1, world + 1))).item():
         failures.append("work queued after wait() on a staged all_reduce saw unreduced data")
+    # Collectives are issued by a thread of their own when the staged path is on: a small
+    # synchronous all_reduce (one-shot kernel when P2P is on, else NCCL) posted behind an async
+    # staged one, then a synchronous one on the same tensor, which must run after the first.
+    big = torch.full((chunk // 2,), float(rank + 1), device=dev)
+    w = ddpc.all_reduce(big, async_op=True)
+    small = torch.full((1000,), float(rank + 1), device=dev)
+    ddpc.all_reduce(small)
+    ddpc.all_reduce(big)
+    w.wait()
+    total = float(sum(range(1, world + 1)))
+    if not torch.all(small == total).item():
+        failures.append(f"small all_reduce behind a staged one holds {small.unique()[:4].tolist()}")
+    if not torch.all(big == world * total).item():
+        failures.append(f"two all_reduces of one tensor (async, then sync) hold "
+                        f"{big.unique()[:4].tolist()}, expected {world * total}")
     return {"failures": [f for f in failures if f]}
 
 
