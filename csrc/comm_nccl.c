@@ -351,8 +351,6 @@ static ddpc_status nccl_fail(ncclResult_t r, const char *call, const char *file,
 typedef struct NcclWorkData {
     cudaEvent_t done;   /* recorded on the communication stream after the collective */
     atomic_int enqueued;/* 1 once `done` is recorded: only then may the watchdog query it */
-    cudaEvent_t ready;  /* issuer thread: the caller's stream position at the post */
-    struct DdpcWork *inext; /* issuer queue link */
 } NcclWorkData;
 
 typedef struct NcclImpl {
@@ -376,15 +374,6 @@ typedef struct NcclImpl {
     struct FastAr *fast;     /* the one-shot path for small all-reduces, NULL when off */
     DdpcStaged *staged;      /* the copy-engine path for large all-reduces without P2P, or NULL */
     size_t staged_min_bytes; /* all-reduces of at least this many bytes take it */
-    /* With the staged path on, one thread issues every collective on the communication stream,
-     * in posting order: a staged chunk costs about 16 host calls, which would otherwise run on
-     * the posting thread (the autograd thread, for gradient buckets) and delay its kernels. */
-    pthread_t issuer;
-    int issuer_started;
-    pthread_mutex_t iq_mu;
-    pthread_cond_t iq_cv;
-    DdpcWork *iq_head, *iq_tail;
-    int iq_stop;
 } NcclImpl;
 
 /* What a fast call was, for the message when it fails (the kernel reports only its epoch). */
@@ -415,8 +404,6 @@ typedef struct FastAr {
 } FastAr;
 
 static ddpc_status aborted_error(NcclImpl *im, const char *what);
-static void *issuer_main(void *arg);
-static void wait_issued(struct DdpcWork *w);
 static void fast_free(NcclImpl *im, int region_shared);
 static void fast_watch(NcclImpl *im);
 
@@ -873,8 +860,6 @@ static void impl_free(NcclImpl *im) {
     if (im->ready) CUDA_LOG(cudaEventDestroy(im->ready));
     if (im->stream) CUDA_LOG(cudaStreamDestroy(im->stream));
     pthread_cond_destroy(&im->cv);
-    pthread_cond_destroy(&im->iq_cv);
-    pthread_mutex_destroy(&im->iq_mu);
     pthread_mutex_destroy(&im->mu);
     pthread_mutex_destroy(&im->comm_mu);
     free(im);
@@ -1503,16 +1488,12 @@ static ddpc_status nccl_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *a, uint
      * through NCCL: the buffer may be one of theirs. The newest one's event covers them all. */
     pthread_mutex_lock(&im->mu);
     cudaError_t ce = cudaSuccess;
-    DdpcWork *last = im->tail;
-    if (last) ddpc_work_retain(last);
-    pthread_mutex_unlock(&im->mu);
-    if (last) {
-        NcclWorkData *wd = last->backend_data;
-        if (im->issuer_started) wait_issued(last);
+    if (im->tail) {
+        NcclWorkData *wd = im->tail->backend_data;
         if (wd && atomic_load(&wd->enqueued))
             ce = cudaStreamWaitEvent((cudaStream_t)a->stream, wd->done, 0);
-        ddpc_work_release(last);
     }
+    pthread_mutex_unlock(&im->mu);
     if (ce != cudaSuccess) {
         st = ddpc_error(DDPC_ERR_CUDA, "making the stream wait for the collectives posted before "
                         "it failed: %s (%s)", cudaGetErrorName(ce), cudaGetErrorString(ce));
@@ -1586,8 +1567,6 @@ static ddpc_status nccl_init(DdpcGroup *g) {
     im->device = g->cuda_device;
     pthread_mutex_init(&im->comm_mu, NULL);
     pthread_mutex_init(&im->mu, NULL);
-    pthread_mutex_init(&im->iq_mu, NULL);
-    pthread_cond_init(&im->iq_cv, NULL);
     /* The watchdog's timed waits measure a monotonic clock: a wall-clock jump cannot stall it. */
     pthread_condattr_t cattr;
     pthread_condattr_init(&cattr);
@@ -1618,14 +1597,6 @@ static ddpc_status nccl_init(DdpcGroup *g) {
         goto fail;
     }
     im->watchdog_started = 1;
-    if (im->staged) {
-        rc = pthread_create(&im->issuer, NULL, issuer_main, im);
-        if (rc == 0)
-            im->issuer_started = 1;
-        else
-            DDPC_INFO("NCCL", "rank %d: no issuer thread (%s): collectives are issued by the "
-                      "posting thread", g->rank, strerror(rc));
-    }
     g->impl = im;
     snprintf(g->transport, sizeof g->transport, "nccl");
     DDPC_INFO("NCCL", "rank %d/%d ready on cuda:%d with NCCL %s", g->rank, g->world, im->device,
@@ -1732,64 +1703,6 @@ fail:
     return st;
 }
 
-/* The issuer thread: the communication stream waits for the caller's position at the post, then
- * the collective is issued there (enqueue), in posting order. After an abort nothing more is
- * issued: the watchdog has failed those works. */
-static void *issuer_main(void *arg) {
-    NcclImpl *im = arg;
-    cudaError_t e = cudaSetDevice(im->device);
-    if (e != cudaSuccess) {
-        char msg[512];
-        snprintf(msg, sizeof msg, "the collective-issuing thread of rank %d could not bind "
-                 "cuda:%d: %s (%s)", im->g->rank, im->device, cudaGetErrorName(e),
-                 cudaGetErrorString(e));
-        request_abort(im, DDPC_ERR_CUDA, msg);
-    }
-    for (;;) {
-        pthread_mutex_lock(&im->iq_mu);
-        while (!im->iq_head && !im->iq_stop) pthread_cond_wait(&im->iq_cv, &im->iq_mu);
-        DdpcWork *w = im->iq_head;
-        if (w) {
-            NcclWorkData *wd = w->backend_data;
-            im->iq_head = wd->inext;
-            if (!im->iq_head) im->iq_tail = NULL;
-            wd->inext = NULL;
-        }
-        int stop = im->iq_stop;
-        pthread_mutex_unlock(&im->iq_mu);
-        if (!w) break;
-        NcclWorkData *wd = w->backend_data;
-        if (!stop && !atomic_load(&im->g->aborted) && e == cudaSuccess) {
-            cudaError_t we = cudaStreamWaitEvent(im->stream, wd->ready, 0);
-            if (we != cudaSuccess) {
-                char what[160], msg[512];
-                describe_work(w, what, sizeof what);
-                snprintf(msg, sizeof msg, "%s on rank %d: making the communication stream wait "
-                         "for the caller's stream failed: %s (%s)", what, im->g->rank,
-                         cudaGetErrorName(we), cudaGetErrorString(we));
-                request_abort(im, DDPC_ERR_CUDA, msg);
-            } else {
-                (void)enqueue(im, w); /* a failure requests the abort itself */
-            }
-        }
-        pool_put(im, wd->ready);
-        wd->ready = NULL;
-        ddpc_work_release(w);
-    }
-    return NULL;
-}
-
-/* Until the issuer thread has issued w (or it finished otherwise: failed, cancelled). The issuer
- * is microseconds behind the post unless the device queue is full. */
-static void wait_issued(DdpcWork *w) {
-    NcclWorkData *wd = w->backend_data;
-    unsigned us = 2;
-    while (wd && !atomic_load(&wd->enqueued) && !atomic_load(&w->done)) {
-        sleep_us(us);
-        us = DDPC_MIN(us * 2, 200u);
-    }
-}
-
 static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
     NcclImpl *im = g->impl;
     const DdpcCollArgs *a = &w->args;
@@ -1815,17 +1728,10 @@ static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
     }
     atomic_init(&wd->enqueued, 0);
     DDPC_CHECK_GOTO(pool_get(im, &wd->done), st, fail_wd);
-    if (im->issuer_started) {
-        /* The issuer thread makes the communication stream wait for this event. */
-        DDPC_CHECK_GOTO(pool_get(im, &wd->ready), st, fail_ev);
-        DDPC_CUDACHECK_GOTO(cudaEventRecord(wd->ready, (cudaStream_t)a->stream), st, fail_ready);
-    } else {
-        /* The communication stream waits for the caller's queued work (the event replaces a
-         * host sync); the event may be re-recorded by the next post, the wait has already
-         * captured it. */
-        DDPC_CUDACHECK_GOTO(cudaEventRecord(im->ready, (cudaStream_t)a->stream), st, fail_ev);
-        DDPC_CUDACHECK_GOTO(cudaStreamWaitEvent(im->stream, im->ready, 0), st, fail_ev);
-    }
+    /* The communication stream waits for the caller's queued work (the event replaces a host
+     * sync); the event may be re-recorded by the next post, the wait has already captured it. */
+    DDPC_CUDACHECK_GOTO(cudaEventRecord(im->ready, (cudaStream_t)a->stream), st, fail_ev);
+    DDPC_CUDACHECK_GOTO(cudaStreamWaitEvent(im->stream, im->ready, 0), st, fail_ev);
     w->backend_data = wd;
     ddpc_work_retain(w);
     pthread_mutex_lock(&im->mu);
@@ -1837,25 +1743,9 @@ static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
     im->tail = w;
     pthread_cond_signal(&im->cv);
     pthread_mutex_unlock(&im->mu);
-    if (im->issuer_started) {
-        ddpc_work_retain(w); /* the issuer queue's reference */
-        pthread_mutex_lock(&im->iq_mu);
-        wd->inext = NULL;
-        if (im->iq_tail)
-            ((NcclWorkData *)im->iq_tail->backend_data)->inext = w;
-        else
-            im->iq_head = w;
-        im->iq_tail = w;
-        pthread_cond_signal(&im->iq_cv);
-        pthread_mutex_unlock(&im->iq_mu);
-        st = DDPC_OK;
-    } else {
-        st = enqueue(im, w);
-    }
+    st = enqueue(im, w);
     goto restore;
 
-fail_ready:
-    pool_put(im, wd->ready);
 fail_ev:
     describe_work(w, what, sizeof what);
     ddpc_error_prefix(st, "%s on rank %d (the stream must belong to cuda:%d): ", what, g->rank,
@@ -1877,11 +1767,6 @@ static ddpc_status nccl_wait_stream(DdpcWork *w, uintptr_t stream) {
     if (atomic_load(&w->done) && w->status != DDPC_OK)
         return ddpc_error(w->status, "%s", w->msg ? w->msg : "failed");
     NcclWorkData *wd = w->backend_data;
-    if (wd && !atomic_load(&wd->enqueued)) {
-        wait_issued(w); /* posted through the issuer thread, which has not got to it yet */
-        if (atomic_load(&w->done) && w->status != DDPC_OK)
-            return ddpc_error(w->status, "%s", w->msg ? w->msg : "failed");
-    }
     if (!wd || !atomic_load(&wd->enqueued)) {
         char what[160];
         describe_work(w, what, sizeof what);
@@ -1897,7 +1782,6 @@ static void nccl_work_free(DdpcWork *w) {
     NcclWorkData *wd = w->backend_data;
     if (!wd) return;
     NcclImpl *im = w->g->impl;
-    if (wd->ready) CUDA_LOG(cudaEventDestroy(wd->ready)); /* never issued (destroyed before) */
     if (wd->done) {
         if (im)
             pool_put(im, wd->done);
@@ -1943,15 +1827,6 @@ static void nccl_destroy(DdpcGroup *g) {
          * watchdog, which would have done it, is gone. */
         pthread_mutex_unlock(&im->mu);
         if (im->fast) (void)fast_check(im);
-        if (im->issuer_started) {
-            /* Whatever it still holds was cancelled (the wait above gave up): it drops it. */
-            pthread_mutex_lock(&im->iq_mu);
-            im->iq_stop = 1;
-            pthread_cond_signal(&im->iq_cv);
-            pthread_mutex_unlock(&im->iq_mu);
-            pthread_join(im->issuer, NULL);
-            im->issuer_started = 0;
-        }
         pthread_mutex_lock(&im->mu);
         im->stop = 1;
         pthread_cond_signal(&im->cv);
