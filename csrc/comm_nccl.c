@@ -351,6 +351,7 @@ static ddpc_status nccl_fail(ncclResult_t r, const char *call, const char *file,
 typedef struct NcclWorkData {
     cudaEvent_t done;   /* recorded on the communication stream after the collective */
     atomic_int enqueued;/* 1 once `done` is recorded: only then may the watchdog query it */
+    int staged;         /* it took the staged path: check the peers' aborted words when done */
 } NcclWorkData;
 
 typedef struct NcclImpl {
@@ -545,9 +546,9 @@ static void abort_all(NcclImpl *im) {
         DDPC_INFO("NCCL", "rank %d aborted its communicator: %s", im->g->rank, msg);
     }
     if (locked) pthread_mutex_unlock(&im->comm_mu);
+    pthread_mutex_lock(&im->mu);
     /* Staged all-reduces wait on the GPU for counters in host memory: release them. */
     if (im->staged) ddpc_staged_unblock(im->staged);
-    pthread_mutex_lock(&im->mu);
     DdpcWork *list = im->head;
     im->head = im->tail = NULL;
     im->abort_requested = 0;
@@ -577,6 +578,16 @@ static int reap(NcclImpl *im) {
                      "the process (CUDA_LAUNCH_BLOCKING=1 finds the kernel)",
                      what, im->g->rank, im->device, cudaGetErrorName(e), cudaGetErrorString(e));
             request_abort(im, DDPC_ERR_CUDA, msg);
+            return -1;
+        }
+        int gone = wd->staged && im->staged ? ddpc_staged_peer_aborted(im->staged) : -1;
+        if (gone >= 0) {
+            /* That rank's released streams may have fed this one whatever they moved. */
+            char what[160], msg[1024];
+            describe_work(w, what, sizeof what);
+            snprintf(msg, sizeof msg, "%s on rank %d: rank %d aborted while this staged "
+                     "all-reduce ran, so its result is not valid", what, im->g->rank, gone);
+            request_abort(im, DDPC_ERR_PEER, msg);
             return -1;
         }
         pthread_mutex_lock(&im->mu);
@@ -713,7 +724,11 @@ static void *watchdog_main(void *arg) {
     unsigned us = POLL_MIN_US;
     for (;;) {
         pthread_mutex_lock(&im->mu);
-        if (im->fast) {
+        /* After an abort, a peer that still runs may lower a released staged counter again:
+         * release them on every round until the group is destroyed. */
+        int staged_aborted = im->staged && atomic_load(&im->g->aborted);
+        if (staged_aborted) ddpc_staged_unblock(im->staged);
+        if (im->fast || staged_aborted) {
             /* Fast calls have no works: look at them every FAST_WATCH_MS even when idle. */
             if (!im->stop && !im->abort_requested && !im->head) {
                 struct timespec ts;
@@ -755,8 +770,8 @@ static void nccl_abort_hook(DdpcGroup *g) {
     NcclImpl *im = g->impl;
     if (!im) return; /* still initializing: nccl_init sees the abort itself */
     if (im->fast) im->fast->ctl->abort = 1;
-    if (im->staged) ddpc_staged_unblock(im->staged);
     pthread_mutex_lock(&im->mu);
+    if (im->staged) ddpc_staged_unblock(im->staged); /* destroy takes it away under mu */
     im->abort_requested = 1;
     pthread_cond_signal(&im->cv);
     pthread_mutex_unlock(&im->mu);
@@ -1261,7 +1276,8 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
 
 typedef struct {
     int32_t ok;
-    uint64_t chunk_bytes; /* rank 0's is used by all */
+    uint64_t chunk_bytes; /* rank 0's is used by all, like min_bytes */
+    uint64_t min_bytes;
     char host[256];
     char shm[96]; /* rank 0's segment */
 } StagedVote;
@@ -1286,6 +1302,17 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
         ddpc_default_host_id(mine.host, sizeof mine.host);
     size_t chunk = ddpc_staged_chunk_bytes(g->world);
     mine.chunk_bytes = chunk;
+    size_t min_bytes = (size_t)1 << 20;
+    const char *mv = getenv("DDPC_STAGED_MIN_BYTES");
+    if (mv && *mv) {
+        char *end;
+        unsigned long long n = strtoull(mv, &end, 10);
+        if (*end)
+            DDPC_INFO("NCCL", "ignoring DDPC_STAGED_MIN_BYTES=%s: not a number of bytes", mv);
+        else
+            min_bytes = (size_t)n;
+    }
+    mine.min_bytes = DDPC_MAX(min_bytes, (size_t)1);
     DdpcStaged *s = NULL;
     /* Every rank votes, also when it does not want the path: a rank whose environment differs
      * must not leave the others waiting for its vote. */
@@ -1376,18 +1403,9 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
                       g->rank, why);
         return st;
     }
-    size_t min_bytes = (size_t)1 << 20;
-    const char *mv = getenv("DDPC_STAGED_MIN_BYTES");
-    if (mv && *mv) {
-        char *end;
-        unsigned long long n = strtoull(mv, &end, 10);
-        if (*end)
-            DDPC_INFO("NCCL", "ignoring DDPC_STAGED_MIN_BYTES=%s: not a number of bytes", mv);
-        else
-            min_bytes = (size_t)n;
-    }
+    /* Rank 0's threshold: every rank must send a given all-reduce down the same path. */
     im->staged = s;
-    im->staged_min_bytes = DDPC_MAX(min_bytes, (size_t)1);
+    im->staged_min_bytes = DDPC_MAX((size_t)zero.min_bytes, (size_t)1);
     g->staged_min_bytes = im->staged_min_bytes;
     DDPC_INFO("NCCL", "rank %d: all-reduces of %zu bytes or more go through pinned host memory on "
               "the copy engines (%zu-byte chunks)", g->rank, im->staged_min_bytes, chunk);
@@ -1680,6 +1698,7 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w) {
     if (call && im->staged && a->op == DDPC_COLL_ALLREDUCE &&
         a->count * ddpc_dtype_size(a->dtype) >= im->staged_min_bytes &&
         ddpc_staged_supported(a->dtype, a->redop)) {
+        wd->staged = 1;
         st = ddpc_staged_all_reduce(im->staged, a->recv, a->count, a->dtype, a->redop,
                                     (uintptr_t)im->stream);
         pthread_mutex_unlock(&im->comm_mu);
@@ -1855,10 +1874,12 @@ static void nccl_destroy(DdpcGroup *g) {
     }
     /* After the communicator: fast calls queued behind a stuck NCCL work can drain now. */
     fast_teardown(im);
-    if (im->staged) {
-        ddpc_staged_close(im->staged, (uintptr_t)im->stream,
-                          list != NULL || atomic_load(&g->aborted));
-        im->staged = NULL;
+    pthread_mutex_lock(&im->mu);
+    DdpcStaged *staged = im->staged; /* the abort hook looks at it under mu */
+    im->staged = NULL;
+    pthread_mutex_unlock(&im->mu);
+    if (staged) {
+        ddpc_staged_close(staged, (uintptr_t)im->stream, list != NULL || atomic_load(&g->aborted));
         g->staged_min_bytes = 0;
     }
     complete_list(im, list, DDPC_ERR_PEER,

@@ -39,7 +39,7 @@ struct DdpcStaged {
     size_t map_len;
     int registered;
     CUdeviceptr map_dev; /* its device address */
-    Mailbox *mail;       /* [world receivers][world senders] */
+    Mailbox *mail;       /* [world receivers][world senders], then the aborted words */
     size_t send_off, out_off; /* send slots [world][SLOTS][chunk_bytes], out slots [..][seg_cap] */
     void *scratch;       /* device: (world - 1) segments from the peers */
     /* One stream per step, so a step waiting for a peer holds back only later chunks of that
@@ -90,9 +90,12 @@ static size_t seg_cap_of(int world, size_t chunk_bytes) {
     return round_up(chunk_bytes / (size_t)world + 128, 256);
 }
 
+/* The mailboxes, then one cache line per rank holding its aborted word. */
 static size_t mail_bytes(int world) {
-    return round_up((size_t)world * (size_t)world * sizeof(Mailbox), 4096);
+    return round_up((size_t)world * (size_t)world * sizeof(Mailbox) + (size_t)world * 64, 4096);
 }
+
+static volatile uint32_t *aborted_word(const DdpcStaged *s, int r);
 
 size_t ddpc_staged_segment_bytes(int world, size_t chunk_bytes) {
     return mail_bytes(world) + (size_t)world * DDPC_STAGED_SLOTS *
@@ -165,6 +168,7 @@ ddpc_status ddpc_staged_open(int rank, int world, size_t chunk_bytes, const char
         }
     } else {
         struct stat sb;
+        memset(&sb, 0, sizeof sb);
         if (fstat(fd, &sb) != 0 || (size_t)sb.st_size != s->map_len) {
             st = ddpc_error(DDPC_ERR_PROTOCOL, "%s has %lld bytes, not %zu: the ranks run "
                             "different ddpc builds or DDPC_STAGED_CHUNK_BYTES settings", shm_name,
@@ -355,17 +359,17 @@ ddpc_status ddpc_staged_all_reduce(DdpcStaged *s, void *buf, size_t count, ddpc_
      * 1-4 MiB in 4 chunks made them slower: 150 us instead of 105 at 1 MiB on 2 H200s). */
     size_t ce = s->chunk_bytes / es;
     size_t nk = (count + ce - 1) / ce;
-    uint32_t t0 = s->t;
+    uint32_t t0 = __atomic_load_n(&s->t, __ATOMIC_RELAXED);
     /* Whatever happens below, every rank counts the same chunks (a failure aborts the group). */
-    s->t = t0 + (uint32_t)nk;
+    __atomic_store_n(&s->t, t0 + (uint32_t)nk, __ATOMIC_RELAXED);
     int div = op == DDPC_AVG ? s->world : 1;
     char *b = buf;
     DDPC_CUDACHECK(cudaEventRecord(s->start, stream));
     DDPC_CUDACHECK(cudaStreamWaitEvent(s->side, s->start, 0));
     DDPC_CUDACHECK(cudaStreamWaitEvent(s->red, s->start, 0));
-    /* The four steps of consecutive chunks (and of the next call's first chunks) overlap. Every
-     * wait is for a step issued earlier on every rank, so the issue order is a schedule that
-     * cannot deadlock however the streams are mapped onto hardware queues. */
+    /* The four steps of consecutive chunks overlap. Every wait is for a step issued earlier on
+     * every rank, so the issue order is a schedule that cannot deadlock however the streams are
+     * mapped onto hardware queues. */
     for (size_t k = 0; k <= nk; k++) {
         Chunk cur = chunk_of(s, b, count, es, ce, k < nk ? k : 0, t0);
         Chunk prev = chunk_of(s, b, count, es, ce, k ? k - 1 : 0, t0);
@@ -383,12 +387,30 @@ ddpc_status ddpc_staged_all_reduce(DdpcStaged *s, void *buf, size_t count, ddpc_
     return DDPC_OK;
 }
 
+static volatile uint32_t *aborted_word(const DdpcStaged *s, int r) {
+    return (volatile uint32_t *)(s->map + (size_t)s->world * (size_t)s->world * sizeof(Mailbox) +
+                                 (size_t)r * 64);
+}
+
+int ddpc_staged_peer_aborted(const DdpcStaged *s) {
+    if (!s || !s->map) return -1;
+    __sync_synchronize();
+    for (int r = 0; r < s->world; r++)
+        if (*aborted_word(s, r)) return r;
+    return -1;
+}
+
 void ddpc_staged_unblock(DdpcStaged *s) {
     if (!s || !s->mail) return;
+    /* First tell the peers, through memory they check before they report a staged all-reduce
+     * done: once released, this rank's streams run on without their waits and signal the peers
+     * with whatever they move. */
+    *aborted_word(s, s->rank) = 1;
+    __sync_synchronize();
     /* Far ahead of every value awaited (at most t + 1), yet less than 2^31 ahead: the cyclic
      * comparison of cuStreamWaitValue32 passes. Only this rank's own mailbox: its peers' waits
      * stay as they are. */
-    uint32_t v = s->t + (1u << 30);
+    uint32_t v = __atomic_load_n(&s->t, __ATOMIC_RELAXED) + (1u << 30);
     for (int q = 0; q < s->world; q++) {
         Mailbox *m = &s->mail[(size_t)s->rank * (size_t)s->world + (size_t)q];
         m->sent = v;
@@ -405,7 +427,7 @@ void ddpc_staged_close(DdpcStaged *s, uintptr_t stream, int aborted) {
     int drained = 0;
     for (int i = 0; i < 5000; i++) {
         /* A peer that is still running may lower a counter again: unblock on every round. */
-        if (aborted || i >= 1000) ddpc_staged_unblock(s);
+        if (aborted) ddpc_staged_unblock(s);
         cudaError_t a = cudaStreamQuery(s->side);
         if (a == cudaSuccess) a = cudaStreamQuery(s->red);
         if (a == cudaSuccess) a = cudaStreamQuery(s->pub);

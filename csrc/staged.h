@@ -15,19 +15,25 @@
  *   3. copies that reduced segment into its out slot (device to host),
  *   4. copies the peers' reduced segments from their out slots into its buffer (host to device).
  * Only the owner reduces a segment, so every rank ends with bitwise the same values. Ordering
- * across processes is on the GPU: each step ends with cuStreamWriteValue32 of a counter into every
- * peer's mailbox in the shared memory, and the step that needs it starts with cuStreamWaitValue32
- * on this rank's mailbox. Each step has its own stream (the gather runs on the caller's), so a
- * step waiting for a peer holds back only that step of later chunks: both PCIe directions stay
- * busy, across consecutive calls too (a gradient bucket's chunks behind the last one's). Every
- * wait is for a step that every rank issues earlier in the same per-chunk order, so no schedule
- * of the streams (even all on one hardware queue) can deadlock. Counters only grow (compared cyclically):
- * slots are reused after the peers said they read them.
+ * across processes is on the GPU: each step ends with cuStreamWriteValue32 of a counter into
+ * every peer's mailbox in the shared memory, and the step that needs it starts with
+ * cuStreamWaitValue32 on this rank's mailbox. Each step has its own stream (the gather runs on
+ * the caller's), so a step waiting for a peer holds back only that step of later chunks, and
+ * both PCIe directions stay busy. Every wait is for a step that every rank issues earlier in
+ * the same per-chunk order, so no schedule of the streams (even all on one hardware queue) can
+ * deadlock. Counters only grow (compared cyclically): slots are reused after the peers said
+ * they read them.
  *
  * Failure: the counters a rank waits on live in its own mailbox, so after an abort the host writes
- * them far ahead (ddpc_staged_unblock) and the streams drain without touching the peers' waits.
- * The works of an aborted group fail; whatever the unblocked copies leave in the buffer is not
- * reported as a result. */
+ * them far ahead (ddpc_staged_unblock) and its streams drain. Released streams still signal the
+ * peers, with whatever data they moved, so the aborting rank first sets its aborted word in the
+ * segment, and a rank reports a staged all-reduce done only after checking that no rank's word is
+ * set (ddpc_staged_peer_aborted): an abort anywhere fails the call everywhere instead of handing
+ * a peer a wrong sum. Peers that keep running can lower a released counter again, so the unblock
+ * is repeated until the streams are idle.
+ *
+ * Consecutive calls do not overlap: a call starts on the caller's stream after the previous one
+ * (they may share a buffer). Within a call the four steps of consecutive chunks do. */
 #ifndef DDPC_STAGED_H
 #define DDPC_STAGED_H
 
@@ -68,11 +74,16 @@ void ddpc_staged_unlink(DdpcStaged *s);
 ddpc_status ddpc_staged_all_reduce(DdpcStaged *s, void *buf, size_t count, ddpc_dtype dt,
                                    ddpc_redop op, uintptr_t stream);
 
-/* After an abort: releases every wait this rank's streams have queued or will queue. */
+/* After an abort: marks this rank aborted in the segment, then releases every wait its streams
+ * have queued or will queue. Only memory writes: safe from any thread, repeatable. */
 void ddpc_staged_unblock(DdpcStaged *s);
 
+/* The lowest rank that has marked itself aborted, or -1. Check it after a staged all-reduce has
+ * finished on the device and before reporting it done. */
+int ddpc_staged_peer_aborted(const DdpcStaged *s);
+
 /* Frees everything once its streams and `stream` are idle. aborted: keep unblocking while
- * waiting. When they do not drain within a few seconds the memory stays allocated (a peer or the
+ * waiting (a clean close never releases a wait). When they do not drain within a few seconds the memory stays allocated (a peer or the
  * device may still touch it) and a message says so. */
 void ddpc_staged_close(DdpcStaged *s, uintptr_t stream, int aborted);
 
