@@ -585,8 +585,9 @@ static int reap(NcclImpl *im) {
             /* That rank's released streams may have fed this one whatever they moved. */
             char what[160], msg[1024];
             describe_work(w, what, sizeof what);
-            snprintf(msg, sizeof msg, "%s on rank %d: rank %d aborted while this staged "
-                     "all-reduce ran, so its result is not valid", what, im->g->rank, gone);
+            snprintf(msg, sizeof msg, "%s on rank %d: rank %d has aborted the group, and a "
+                     "staged all-reduce that finished after that may hold data its released "
+                     "copies moved: the result is not valid", what, im->g->rank, gone);
             request_abort(im, DDPC_ERR_PEER, msg);
             return -1;
         }
@@ -1404,6 +1405,10 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
         return st;
     }
     /* Rank 0's threshold: every rank must send a given all-reduce down the same path. */
+    if ((size_t)zero.min_bytes != (size_t)mine.min_bytes)
+        DDPC_INFO("NCCL", "rank %d: using rank 0's staged threshold of %llu bytes, not this "
+                  "rank's %zu (DDPC_STAGED_MIN_BYTES differs)", g->rank,
+                  (unsigned long long)zero.min_bytes, (size_t)mine.min_bytes);
     im->staged = s;
     im->staged_min_bytes = DDPC_MAX((size_t)zero.min_bytes, (size_t)1);
     g->staged_min_bytes = im->staged_min_bytes;

@@ -28,9 +28,11 @@
  * them far ahead (ddpc_staged_unblock) and its streams drain. Released streams still signal the
  * peers, with whatever data they moved, so the aborting rank first sets its aborted word in the
  * segment, and a rank reports a staged all-reduce done only after checking that no rank's word is
- * set (ddpc_staged_peer_aborted): an abort anywhere fails the call everywhere instead of handing
- * a peer a wrong sum. Peers that keep running can lower a released counter again, so the unblock
- * is repeated until the streams are idle.
+ * set (ddpc_staged_peer_aborted): an abort anywhere fails the call everywhere instead of a peer
+ * reporting a wrong sum as done. Work the caller queued on the device behind the collective (a
+ * stream wait, as the gradient reducer uses) may still run on such a sum before the error
+ * surfaces on the host, as after an NCCL abort. Peers that keep running can lower a released
+ * counter again, so the unblock is repeated until the streams are idle.
  *
  * Consecutive calls do not overlap: a call starts on the caller's stream after the previous one
  * (they may share a buffer). Within a call the four steps of consecutive chunks do. */
@@ -83,8 +85,8 @@ void ddpc_staged_unblock(DdpcStaged *s);
 int ddpc_staged_peer_aborted(const DdpcStaged *s);
 
 /* Frees everything once its streams and `stream` are idle. aborted: keep unblocking while
- * waiting (a clean close never releases a wait). When they do not drain within a few seconds the memory stays allocated (a peer or the
- * device may still touch it) and a message says so. */
+ * waiting (a clean close never releases a wait). When they do not drain within a few seconds
+ * the memory stays allocated (a peer or the device may still touch it) and a message says so. */
 void ddpc_staged_close(DdpcStaged *s, uintptr_t stream, int aborted);
 
 #ifdef __cplusplus
