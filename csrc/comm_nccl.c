@@ -375,6 +375,7 @@ typedef struct NcclImpl {
     struct FastAr *fast;     /* the one-shot path for small all-reduces, NULL when off */
     DdpcStaged *staged;      /* the copy-engine path for large all-reduces without P2P, or NULL */
     size_t staged_min_bytes; /* all-reduces of at least this many bytes take it */
+    int staged_overlap;      /* DDPC_STAGED_OVERLAP=1: calls on disjoint buffers overlap */
 } NcclImpl;
 
 /* What a fast call was, for the message when it fails (the kernel reports only its epoch). */
@@ -1411,6 +1412,8 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
                   (unsigned long long)zero.min_bytes, (size_t)mine.min_bytes);
     im->staged = s;
     im->staged_min_bytes = DDPC_MAX((size_t)zero.min_bytes, (size_t)1);
+    /* Local: it changes which streams wait for what on this rank, not what any rank issues. */
+    im->staged_overlap = env_truthy(getenv("DDPC_STAGED_OVERLAP"));
     g->staged_min_bytes = im->staged_min_bytes;
     DDPC_INFO("NCCL", "rank %d: all-reduces of %zu bytes or more go through pinned host memory on "
               "the copy engines (%zu-byte chunks)", g->rank, im->staged_min_bytes, chunk);
@@ -1682,6 +1685,47 @@ static ddpc_status aborted_error(NcclImpl *im, const char *what) {
                       msg);
 }
 
+/* The device memory a work reads or writes, as up to two byte ranges. */
+static int work_ranges(const DdpcWork *w, uintptr_t lo[2], uintptr_t hi[2]) {
+    const DdpcCollArgs *a = &w->args;
+    size_t bytes = a->count * ddpc_dtype_size(a->dtype);
+    size_t all = bytes * (size_t)w->g->world;
+    int n = 0;
+    switch (a->op) {
+    case DDPC_COLL_ALLGATHER:
+        lo[n] = (uintptr_t)a->send, hi[n++] = (uintptr_t)a->send + bytes;
+        lo[n] = (uintptr_t)a->recv, hi[n++] = (uintptr_t)a->recv + all;
+        break;
+    case DDPC_COLL_REDUCE_SCATTER:
+        lo[n] = (uintptr_t)a->send, hi[n++] = (uintptr_t)a->send + all;
+        lo[n] = (uintptr_t)a->recv, hi[n++] = (uintptr_t)a->recv + bytes;
+        break;
+    case DDPC_COLL_BARRIER: break;
+    default: /* all-reduce and broadcast work in place */
+        lo[n] = (uintptr_t)a->recv, hi[n++] = (uintptr_t)a->recv + bytes;
+        break;
+    }
+    return n;
+}
+
+/* True when no other work still in the queue touches the bytes w works on (queued works that
+ * have finished on the device but are not reaped yet count too: the answer errs towards no). */
+static int disjoint_from_queue(NcclImpl *im, const DdpcWork *w) {
+    uintptr_t lo[2], hi[2], olo[2], ohi[2];
+    int n = work_ranges(w, lo, hi);
+    int ok = 1;
+    pthread_mutex_lock(&im->mu);
+    for (const DdpcWork *o = im->head; o && ok; o = o->next) {
+        if (o == w) continue;
+        int m = work_ranges(o, olo, ohi);
+        for (int i = 0; i < n && ok; i++)
+            for (int j = 0; j < m && ok; j++)
+                if (lo[i] < ohi[j] && olo[j] < hi[i]) ok = 0;
+    }
+    pthread_mutex_unlock(&im->mu);
+    return ok;
+}
+
 /* The NCCL part of a post. The work is already in the queue; on any failure the group is
  * aborted (a peer may already be inside this collective) and the watchdog completes the work. */
 static ddpc_status enqueue(NcclImpl *im, DdpcWork *w) {
@@ -1694,6 +1738,12 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w) {
     /* Zero elements: nothing to move, and NCCL may reject the NULL buffers that come with it.
      * Every rank sees the same count, so every rank skips. */
     int call = a->op == DDPC_COLL_BARRIER || a->count > 0;
+    /* DDPC_STAGED_OVERLAP: im->ready holds the caller's stream position of this post (nccl_post
+     * just recorded it; posts are serialized). Looked up before comm_mu, never held with mu. */
+    void *ready = im->staged && im->staged_overlap && call && a->op == DDPC_COLL_ALLREDUCE &&
+                          disjoint_from_queue(im, w)
+                      ? (void *)im->ready
+                      : NULL;
     pthread_mutex_lock(&im->comm_mu);
     if (!im->comm) {
         pthread_mutex_unlock(&im->comm_mu);
@@ -1705,7 +1755,7 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w) {
         ddpc_staged_supported(a->dtype, a->redop)) {
         wd->staged = 1;
         st = ddpc_staged_all_reduce(im->staged, a->recv, a->count, a->dtype, a->redop,
-                                    (uintptr_t)im->stream);
+                                    (uintptr_t)im->stream, ready);
         pthread_mutex_unlock(&im->comm_mu);
         if (st != DDPC_OK) goto fail;
     } else {

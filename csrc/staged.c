@@ -348,7 +348,7 @@ static Chunk chunk_of(const DdpcStaged *s, char *buf, size_t count, size_t es, s
 }
 
 ddpc_status ddpc_staged_all_reduce(DdpcStaged *s, void *buf, size_t count, ddpc_dtype dt,
-                                   ddpc_redop op, uintptr_t stream_) {
+                                   ddpc_redop op, uintptr_t stream_, void *ready) {
     if (!ddpc_staged_supported(dt, op))
         return ddpc_error(DDPC_ERR_INVALID, "staged all-reduce: %s of %s is not supported",
                           ddpc_redop_name(op), ddpc_dtype_name(dt));
@@ -364,9 +364,15 @@ ddpc_status ddpc_staged_all_reduce(DdpcStaged *s, void *buf, size_t count, ddpc_
     __atomic_store_n(&s->t, t0 + (uint32_t)nk, __ATOMIC_RELAXED);
     int div = op == DDPC_AVG ? s->world : 1;
     char *b = buf;
-    DDPC_CUDACHECK(cudaEventRecord(s->start, stream));
-    DDPC_CUDACHECK(cudaStreamWaitEvent(s->side, s->start, 0));
-    DDPC_CUDACHECK(cudaStreamWaitEvent(s->red, s->start, 0));
+    /* The send and reduce steps read and write buf: they start after the caller's work on it,
+     * and (without `ready`) after everything queued on the stream before this call. */
+    cudaEvent_t from = (cudaEvent_t)ready;
+    if (!from) {
+        DDPC_CUDACHECK(cudaEventRecord(s->start, stream));
+        from = s->start;
+    }
+    DDPC_CUDACHECK(cudaStreamWaitEvent(s->side, from, 0));
+    DDPC_CUDACHECK(cudaStreamWaitEvent(s->red, from, 0));
     /* The four steps of consecutive chunks overlap. Every wait is for a step issued earlier on
      * every rank, so the issue order is a schedule that cannot deadlock however the streams are
      * mapped onto hardware queues. */

@@ -34,8 +34,10 @@
  * surfaces on the host, as after an NCCL abort. Peers that keep running can lower a released
  * counter again, so the unblock is repeated until the streams are idle.
  *
- * Consecutive calls do not overlap: a call starts on the caller's stream after the previous one
- * (they may share a buffer). Within a call the four steps of consecutive chunks do. */
+ * Consecutive calls do not overlap by default: a call starts on the caller's stream after the
+ * previous one (they may share a buffer). Within a call the four steps of consecutive chunks do.
+ * With a `ready` event (ddpc_staged_all_reduce) its send and reduce steps start from that event
+ * instead: the caller vouches that no earlier call touches the buffer. */
 #ifndef DDPC_STAGED_H
 #define DDPC_STAGED_H
 
@@ -72,9 +74,12 @@ void ddpc_staged_unlink(DdpcStaged *s);
 
 /* Queues the all-reduce of count elements at buf (device memory of the current device) on
  * `stream`: it starts after the work queued there so far, and the work queued there later starts
- * after it. Every rank must call it with the same count, dtype and op, in the same order. */
+ * after it. Every rank must call it with the same count, dtype and op, in the same order.
+ * ready (a cudaEvent_t, or NULL): when given, the copies out of buf start once it has completed
+ * instead of after everything queued on `stream`, so the call overlaps the ones before it. Only
+ * for a buf that nothing queued earlier reads or writes (an experiment: DDPC_STAGED_OVERLAP). */
 ddpc_status ddpc_staged_all_reduce(DdpcStaged *s, void *buf, size_t count, ddpc_dtype dt,
-                                   ddpc_redop op, uintptr_t stream);
+                                   ddpc_redop op, uintptr_t stream, void *ready);
 
 /* After an abort: marks this rank aborted in the segment, then releases every wait its streams
  * have queued or will queue. Only memory writes: safe from any thread, repeatable. */

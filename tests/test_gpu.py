@@ -646,6 +646,17 @@ def test_staged_all_reduce_small_chunks(monkeypatch):
 
 
 @needs_2
+def test_staged_all_reduce_overlapping_calls(monkeypatch):
+    # DDPC_STAGED_OVERLAP=1: a call on a buffer no queued collective touches starts without
+    # waiting for the calls before it (the 20 queued calls); one on a buffer still in flight (the
+    # async-then-sync pair on one tensor) still waits.
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    monkeypatch.setenv("DDPC_STAGED_OVERLAP", "1")
+    monkeypatch.delenv("DDPC_STAGED_ALLREDUCE", raising=False)
+    _assert_no_failures(_run_ranks(_w_staged))
+
+
+@needs_2
 def test_staged_killed_rank_makes_survivor_raise(monkeypatch):
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
     timeout = 30.0
