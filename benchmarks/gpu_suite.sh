@@ -30,7 +30,7 @@ stage() {  # stage NAME SECONDS CMD...
 nvidia-smi --query-gpu=index,name,pci.bus_id,memory.used,memory.total --format=csv,noheader
 NGPU=$(nvidia-smi -L | grep -c '^GPU')
 stage build 150 $PY -m pip install --no-build-isolation --no-deps -e .
-TAIL=6 stage gpu_tests 300 $PY -m pytest -m gpu -q -ra tests/test_gpu.py tests/test_gpu_wrap_model.py
+TAIL=6 stage gpu_tests 360 $PY -m pytest -m gpu -q -ra tests/test_gpu.py tests/test_gpu_wrap_model.py
 if [ "$NGPU" -ge 2 ]; then
     stage ddp_nvlink 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30
     NCCL_P2P_DISABLE=1 stage ddp_nop2p 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 \
