@@ -1429,7 +1429,7 @@ static void cpu_destroy(DdpcGroup *g) {
         atomic_store(&c->hdr->ranks[g->rank].left, 1);
         shm_wake_all(c);
     }
-    g->impl = NULL;
+    ddpc_group_take_impl(g); /* an abort hook on another thread is done with c */
     comm_free(c);
 }
 

@@ -1939,8 +1939,9 @@ static void nccl_destroy(DdpcGroup *g) {
     }
     complete_list(im, list, DDPC_ERR_PEER,
                   "the process group was destroyed while it was in flight");
-    /* Works still referenced elsewhere give their events back to no pool from now on. */
-    g->impl = NULL;
+    /* Works still referenced elsewhere give their events back to no pool from now on, and an
+     * abort hook on another thread is done with im. */
+    ddpc_group_take_impl(g);
     impl_free(im);
     if (prev >= 0 && prev != device) CUDA_LOG(cudaSetDevice(prev));
 }

@@ -60,10 +60,12 @@ ddpc_status ddpc_group_create(const DdpcGroupConfig *cfg, DdpcGroup **out) {
     atomic_init(&g->aborted, 0);
     atomic_init(&g->refs, 1);
     pthread_mutex_init(&g->mu, NULL);
+    pthread_mutex_init(&g->impl_mu, NULL);
     ddpc_status st = ops->init(g);
     if (st != DDPC_OK) {
         ddpc_error_prefix(st, "creating the %s process group (rank %d of %d): ", ops->name,
                           g->rank, g->world);
+        pthread_mutex_destroy(&g->impl_mu);
         pthread_mutex_destroy(&g->mu);
         free(g);
         return st;
@@ -78,6 +80,7 @@ ddpc_status ddpc_group_create(const DdpcGroupConfig *cfg, DdpcGroup **out) {
  * destroy_process_group, and releasing it reads w->g. */
 static void group_unref(DdpcGroup *g) {
     if (atomic_fetch_sub(&g->refs, 1) != 1) return;
+    pthread_mutex_destroy(&g->impl_mu);
     pthread_mutex_destroy(&g->mu);
     free(g);
 }
@@ -115,7 +118,20 @@ void ddpc_group_abort(DdpcGroup *g, ddpc_status st, const char *why) {
     int n = snprintf(val, sizeof val, "%d:rank %d aborted the group: %s", (int)st, g->rank, why);
     /* Best effort: the store may be the thing that failed. */
     ddpc_store_set(g->store, key, val, (size_t)DDPC_MIN(n, (int)sizeof val - 1));
-    if (g->ops->abort) g->ops->abort(g);
+    ddpc_group_call_abort_hook(g);
+}
+
+void ddpc_group_call_abort_hook(DdpcGroup *g) {
+    if (!g->ops->abort) return;
+    pthread_mutex_lock(&g->impl_mu);
+    g->ops->abort(g);
+    pthread_mutex_unlock(&g->impl_mu);
+}
+
+void ddpc_group_take_impl(DdpcGroup *g) {
+    pthread_mutex_lock(&g->impl_mu);
+    g->impl = NULL;
+    pthread_mutex_unlock(&g->impl_mu);
 }
 
 ddpc_status ddpc_group_check_abort(DdpcGroup *g) {
@@ -142,7 +158,7 @@ ddpc_status ddpc_group_check_abort(DdpcGroup *g) {
         snprintf(g->abort_msg, sizeof g->abort_msg, "%.*s",
                  (int)(colon ? len - (size_t)(colon + 1 - s) : len), colon ? colon + 1 : s);
         atomic_store(&g->aborted, 1);
-        if (g->ops->abort) g->ops->abort(g);
+        ddpc_group_call_abort_hook(g);
     }
     free(val);
     while (atomic_load(&g->aborted) != 1) { /* another thread is filling abort_msg */ }

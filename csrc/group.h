@@ -58,6 +58,9 @@ struct DdpcGroup {
     const DdpcBackendOps *ops;
     void *impl;
     pthread_mutex_t mu;     /* guards next_seq */
+    /* Held around ops->abort and while a backend's destroy takes impl away, so an abort coming
+     * from another thread never runs on a freed impl. Nothing else is locked under it. */
+    pthread_mutex_t impl_mu;
     uint64_t next_seq;
     atomic_int aborted;
     atomic_int refs;        /* 1 for the owner + 1 per live work: works may outlive destroy */
@@ -71,6 +74,13 @@ extern const DdpcBackendOps ddpc_backend_nccl;
 /* Records the outcome of w and wakes its waiters. st != DDPC_OK: the message is taken from
  * ddpc_last_error() of the calling thread. */
 void ddpc_work_complete(DdpcWork *w, ddpc_status st);
+
+/* Runs the backend's abort hook under impl_mu. */
+void ddpc_group_call_abort_hook(DdpcGroup *g);
+/* For a backend's destroy: sets g->impl to NULL under impl_mu, after which no abort hook can be
+ * looking at the old impl (hooks read g->impl first and return when it is NULL). Call it before
+ * freeing the impl, and not from inside an abort hook. */
+void ddpc_group_take_impl(DdpcGroup *g);
 
 /* Store key of this group: "<prefix>/<name>". */
 void ddpc_group_key(const DdpcGroup *g, char *buf, size_t len, const char *fmt, ...)
