@@ -1148,6 +1148,42 @@ static ddpc_status fast_get(DdpcGroup *g, const char *key, int64_t deadline, voi
     }
 }
 
+/* An environment variable set to something other than "" or "0". */
+static int env_truthy(const char *v) { return v && v[0] && strcmp(v, "0"); }
+
+/* One rank's first-round vote for a path shared by the ranks of one host: a "no", or a host other
+ * than this rank's, turns the path off for all (*all_ok = 0, why says the first reason). */
+static void vote_verdict(int ok, const char *host, const char *mine, int r, int *all_ok,
+                         char *why, size_t why_len) {
+    if (ok && !strcmp(host, mine)) return;
+    if (*all_ok && !why[0])
+        snprintf(why, why_len, ok ? "rank %d is on another host" : "rank %d cannot use it", r);
+    *all_ok = 0;
+}
+
+/* The second round: every rank says whether it could set the path up (`name`/<rank> = '1' or
+ * '0') and reads the others'; *enabled is 1 only when all could. */
+static ddpc_status yes_vote(DdpcGroup *g, int64_t deadline, const char *name, int yes,
+                            int *enabled, char *why, size_t why_len, const char *failed) {
+    char key[256], mine = yes ? '1' : '0';
+    ddpc_group_key(g, key, sizeof key, "%s/%d", name, g->rank);
+    DDPC_CHECK(ddpc_store_set(g->store, key, &mine, 1));
+    *enabled = 1;
+    for (int r = 0; r < g->world; r++) {
+        void *val = NULL;
+        size_t len = 0;
+        ddpc_group_key(g, key, sizeof key, "%s/%d", name, r);
+        DDPC_CHECK(fast_get(g, key, deadline, &val, &len));
+        int ok = len == 1 && ((char *)val)[0] == '1';
+        free(val);
+        if (!ok) {
+            if (*enabled && !why[0]) snprintf(why, why_len, "rank %d %s", r, failed);
+            *enabled = 0;
+        }
+    }
+    return DDPC_OK;
+}
+
 typedef struct {
     int32_t ok;
     char host[256];
@@ -1172,7 +1208,7 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
     im->fast = f;
     if (env && !strcmp(env, "0"))
         snprintf(why, sizeof why, "DDPC_FAST_ALLREDUCE=0");
-    else if (p2p && p2p[0] && strcmp(p2p, "0"))
+    else if (env_truthy(p2p))
         snprintf(why, sizeof why, "NCCL_P2P_DISABLE=%s", p2p);
     else if (g->world < 2 || g->world > DDPC_FAST_MAX_RANKS)
         snprintf(why, sizeof why, "%d ranks (it takes 2 to %d)", g->world, DDPC_FAST_MAX_RANKS);
@@ -1219,13 +1255,7 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
         free(val);
         FastVote *v = &votes[r];
         v->host[sizeof v->host - 1] = '\0';
-        if (!v->ok) {
-            if (all_ok && !why[0]) snprintf(why, sizeof why, "rank %d cannot use it", r);
-            all_ok = 0;
-        } else if (strcmp(v->host, mine.host)) {
-            if (all_ok && !why[0]) snprintf(why, sizeof why, "rank %d is on another host", r);
-            all_ok = 0;
-        }
+        vote_verdict(v->ok, v->host, mine.host, r, &all_ok, why, sizeof why);
     }
     /* Only when every vote is yes does any rank map a peer's region. */
     const int votes_ok = all_ok;
@@ -1243,22 +1273,9 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
     }
     free(votes);
     /* Second vote: did every rank map every other one? */
-    char yes = all_ok ? '1' : '0';
-    ddpc_group_key(g, key, sizeof key, "fast/mapped/%d", g->rank);
-    DDPC_CHECK(ddpc_store_set(g->store, key, &yes, 1));
-    int enabled = 1;
-    for (int r = 0; r < g->world; r++) {
-        void *val = NULL;
-        size_t len = 0;
-        ddpc_group_key(g, key, sizeof key, "fast/mapped/%d", r);
-        DDPC_CHECK(fast_get(g, key, deadline, &val, &len));
-        int ok = len == 1 && ((char *)val)[0] == '1';
-        free(val);
-        if (!ok) {
-            if (enabled && !why[0]) snprintf(why, sizeof why, "rank %d could not map its peers", r);
-            enabled = 0;
-        }
-    }
+    int enabled = 0;
+    DDPC_CHECK(yes_vote(g, deadline, "fast/mapped", all_ok, &enabled, why, sizeof why,
+                        "could not map its peers"));
     if (!enabled) {
         DDPC_INFO("NCCL", "rank %d: small all-reduces go through NCCL (no one-shot path: %s)",
                   g->rank, why);
@@ -1283,8 +1300,6 @@ typedef struct {
     char host[256];
     char shm[96]; /* rank 0's segment */
 } StagedVote;
-
-static int env_truthy(const char *v) { return v && v[0] && strcmp(v, "0"); }
 
 /* The copy-engine path (staged.h) for all-reduces of at least DDPC_STAGED_MIN_BYTES (1 MiB):
  * on when DDPC_STAGED_ALLREDUCE=1, or by default when NCCL_P2P_DISABLE is set, and every rank is
@@ -1351,13 +1366,7 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
         StagedVote *v = val;
         v->host[sizeof v->host - 1] = '\0';
         v->shm[sizeof v->shm - 1] = '\0';
-        if (!v->ok) {
-            if (all_ok && !why[0]) snprintf(why, sizeof why, "rank %d cannot use it", r);
-            all_ok = 0;
-        } else if (strcmp(v->host, mine.host)) {
-            if (all_ok && !why[0]) snprintf(why, sizeof why, "rank %d is on another host", r);
-            all_ok = 0;
-        }
+        vote_verdict(v->ok, v->host, mine.host, r, &all_ok, why, sizeof why);
         if (r == 0) zero = *v;
         free(val);
     }
@@ -1381,22 +1390,9 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
         all_ok = 0;
     }
     /* Second vote: did every rank map the segment? Then rank 0 removes its name. */
-    char yes = all_ok ? '1' : '0';
-    ddpc_group_key(g, key, sizeof key, "staged/mapped/%d", g->rank);
-    st = ddpc_store_set(g->store, key, &yes, 1);
-    int enabled = 1;
-    for (int r = 0; r < g->world && st == DDPC_OK; r++) {
-        void *val = NULL;
-        size_t len = 0;
-        ddpc_group_key(g, key, sizeof key, "staged/mapped/%d", r);
-        if ((st = fast_get(g, key, deadline, &val, &len)) != DDPC_OK) break;
-        int ok = len == 1 && ((char *)val)[0] == '1';
-        free(val);
-        if (!ok) {
-            if (enabled && !why[0]) snprintf(why, sizeof why, "rank %d could not map it", r);
-            enabled = 0;
-        }
-    }
+    int enabled = 0;
+    st = yes_vote(g, deadline, "staged/mapped", all_ok, &enabled, why, sizeof why,
+                  "could not map it");
     if (s) ddpc_staged_unlink(s);
     if (st != DDPC_OK || !enabled) {
         if (s) ddpc_staged_close(s, 0, 0);

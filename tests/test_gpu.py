@@ -625,34 +625,24 @@ def test_device_kernels():
     assert r.stdout.startswith("ok: "), r.stdout
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-v", "-m", "gpu"]))
+# NCCL_P2P_DISABLE=1 turns the staged path on by default; "small chunks" forces it on with P2P
+# available and 64 KiB chunks (many chunks per call, many slot turns); "overlap" lets a call on a
+# buffer no queued collective touches start without waiting for the calls before it (the 20
+# queued calls), while one on a buffer still in flight (the async-then-sync pair) still waits.
+STAGED_ENVS = [
+    pytest.param({"NCCL_P2P_DISABLE": "1"}, id="without_p2p"),
+    pytest.param({"DDPC_STAGED_ALLREDUCE": "1", "DDPC_STAGED_CHUNK_BYTES": "65536",
+                  "DDPC_STAGED_MIN_BYTES": "65536"}, id="small_chunks"),
+    pytest.param({"NCCL_P2P_DISABLE": "1", "DDPC_STAGED_OVERLAP": "1"}, id="overlap"),
+]
 
 
 @needs_2
-def test_staged_all_reduce_without_p2p(monkeypatch):
-    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+@pytest.mark.parametrize("env", STAGED_ENVS)
+def test_staged_all_reduce(monkeypatch, env):
     monkeypatch.delenv("DDPC_STAGED_ALLREDUCE", raising=False)
-    _assert_no_failures(_run_ranks(_w_staged))
-
-
-@needs_2
-def test_staged_all_reduce_small_chunks(monkeypatch):
-    # 64 KiB chunks: many chunks per call and many slot turns; forced on with P2P available.
-    monkeypatch.setenv("DDPC_STAGED_ALLREDUCE", "1")
-    monkeypatch.setenv("DDPC_STAGED_CHUNK_BYTES", "65536")
-    monkeypatch.setenv("DDPC_STAGED_MIN_BYTES", "65536")
-    _assert_no_failures(_run_ranks(_w_staged))
-
-
-@needs_2
-def test_staged_all_reduce_overlapping_calls(monkeypatch):
-    # DDPC_STAGED_OVERLAP=1: a call on a buffer no queued collective touches starts without
-    # waiting for the calls before it (the 20 queued calls); one on a buffer still in flight (the
-    # async-then-sync pair on one tensor) still waits.
-    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
-    monkeypatch.setenv("DDPC_STAGED_OVERLAP", "1")
-    monkeypatch.delenv("DDPC_STAGED_ALLREDUCE", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     _assert_no_failures(_run_ranks(_w_staged))
 
 
@@ -666,3 +656,7 @@ def test_staged_killed_rank_makes_survivor_raise(monkeypatch):
     assert out["raised"], "rank 0 did not raise after rank 1 died"
     assert out["after"] < timeout, out
     assert "rank 1" in out["message"], out["message"]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v", "-m", "gpu"]))
