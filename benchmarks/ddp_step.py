@@ -129,6 +129,7 @@ class Variant:
     def __init__(self, name: str, wrap, single: bool = False) -> None:
         self.name, self.wrap, self.single = name, wrap, single
         self.times = []
+        self.phases = []  # per timed step: host ms and GPU ms of forward, backward, optimizer
         self.mem = float("nan")
 
     def build(self, cfg, args, device, rank) -> None:
@@ -156,19 +157,34 @@ class Variant:
         shape = (cfg["batch"], cfg["seq"])
         x = torch.randint(0, cfg["vocab"], shape, generator=self.gen).to(device)
         y = torch.randint(0, cfg["vocab"], shape, generator=self.gen).to(device)
-        if device.type == "cuda":
+        cuda = device.type == "cuda"
+        if cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        marks = []
+
+        def mark() -> None:
+            marks.append(time.perf_counter())
+            if cuda:
+                ev[len(marks) - 1].record()
+
+        mark()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             logits = self.model(x)
         loss = F.cross_entropy(logits.float().view(-1, cfg["vocab"]), y.view(-1))
+        mark()
         loss.backward()
+        mark()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
+        mark()
+        if cuda:
             torch.cuda.synchronize()
         if timed:
-            self.times.append((time.perf_counter() - t0) * 1e3)
+            self.times.append((time.perf_counter() - marks[0]) * 1e3)
+            host = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+            gpu = [a.elapsed_time(b) for a, b in zip(ev, ev[1:])] if cuda else [0.0] * 3
+            self.phases.append(host + gpu)
         if not math.isfinite(loss.item()):
             raise RuntimeError(f"{self.name}: the loss is {loss.item()}")
 
@@ -247,23 +263,25 @@ def _worker(rank, args, ports, results):
                     v.step()
             if v.single:
                 tdist.barrier()
-    mine = [(v.name, statistics.median(v.times) if v.times else None, v.mem, v.times)
+    mine = [(v.name, statistics.median(v.times) if v.times else None, v.mem, v.times,
+             [statistics.median(col) for col in zip(*v.phases)] if v.phases else None)
             for v in variants]
     gathered = [None] * n
     tdist.all_gather_object(gathered, mine)
     rows = []
     for k, v in enumerate(variants):
         if v.single:
-            name, ms, mem, times = gathered[0][k]
+            name, ms, mem, times, phases = gathered[0][k]
         else:
             name, ms, mem = (v.name, max(g[k][1] for g in gathered),
                              max(g[k][2] for g in gathered))
             times = [max(g[k][3][j] for g in gathered) for j in range(len(v.times))]
+            phases = [max(g[k][4][j] for g in gathered) for j in range(6)] if v.phases else None
         # Per round: the mean of its steps (the slowest rank's), for ratios between variants
         # timed minutes apart at most, which drift on a shared machine affects less.
         rounds = [statistics.fmean(times[j:j + per_round])
                   for j in range(0, len(times) - per_round + 1, per_round)]
-        rows.append((name, ms, mem, rounds))
+        rows.append((name, ms, mem, rounds, phases))
     results.put((rank, "ok", (rows, describe_env(device))))
     tdist.destroy_process_group()
     ddpc.destroy_process_group()
@@ -371,12 +389,12 @@ def main() -> int:
           + (", bf16 autocast, fused AdamW" if args.device == "cuda" else ", fp32, AdamW"))
     print("env: " + ", ".join(f"{k}={'<unset>' if v is None else v}" for k, v in env.items()))
     mem_name = "+max_memory_allocated" if args.device == "cuda" else "+peak RSS"
-    ref = next((ms for name, ms, _, _ in rows if name == "torch DDP"), rows[0][1])
-    single = next(((ms, r) for name, ms, _, r in rows if name.startswith("1 process")), None)
+    ref = next((ms for name, ms, *_ in rows if name == "torch DDP"), rows[0][1])
+    single = next(((ms, r) for name, ms, _, r, _ in rows if name.startswith("1 process")), None)
     print(f"{'variant':32s} {'ms/step':>9s} {'vs torch DDP':>13s} {'scaling eff.':>13s} "
           f"{'paired':>7s} {mem_name + ' MiB':>26s}")
     out_rows = []
-    for name, ms, mem, rounds in rows:
+    for name, ms, mem, rounds, _ in rows:
         is_single = name.startswith("1 process")
         eff = single[0] / ms if single and not is_single else None
         paired = None
@@ -388,6 +406,21 @@ def main() -> int:
         out_rows.append({"variant": name, "ms_per_step": ms, "vs_torch_ddp": ms / ref,
                          "scaling_efficiency": eff, "paired_efficiency": paired,
                          "round_ms": rounds, "peak_mib_added": mem})
+    if args.device == "cuda":
+        # Where each variant's step goes: host time between the marks (forward+loss issued,
+        # backward returned, optimizer step + zero_grad issued), and GPU time between events
+        # recorded at the same marks (a GPU phase includes the GPU's idle time waiting for the
+        # host's launches, and for backward the wait for the last all-reduce).
+        print(f"{'phases, median ms':32s} {'host fwd':>9s} {'bwd':>6s} {'opt':>6s}   "
+              f"{'GPU fwd':>8s} {'bwd':>6s} {'opt':>6s}")
+        for name, _, _, _, ph in rows:
+            if ph:
+                print(f"{name:32s} {ph[0]:9.2f} {ph[1]:6.2f} {ph[2]:6.2f}   {ph[3]:8.2f} "
+                      f"{ph[4]:6.2f} {ph[5]:6.2f}")
+        for r in out_rows:
+            ph = next(p for n, _, _, _, p in rows if n == r["variant"])
+            r["phases_ms"] = dict(zip(["host_fwd", "host_bwd", "host_opt", "gpu_fwd", "gpu_bwd",
+                                       "gpu_opt"], ph)) if ph else None
     wall = time.monotonic() - t_start
     print(f"({wall:.0f} s in all; ms/step: median over the timed steps, slowest rank; paired: "
           f"median over rounds of the 1-process time / this variant's time in the same round; "

@@ -6,7 +6,7 @@
 # $OUT/suite.log as the stage ends, so one file holds everything even when the call is cut short.
 # Each stage has its own time limit and the script goes on after a failing stage, so one run
 # yields every result it can. STAGES="name ..." runs only the named stages (build always runs);
-# EXTRA="cmd" runs one more shell command as the stage "extra" at the end.
+# EXTRA="cmd" runs one more shell command as the stage "extra" at the end (whatever STAGES says).
 set -u
 OUT=${OUT:-$PWD/gpu_out}
 LOGS=${LOGS:-${TMPDIR:-/tmp}/ddpc_gpu_logs}
@@ -16,7 +16,7 @@ PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 DDPC_CUDA_ARCHS=${DDPC_CUDA_ARCHS:-90}
 stage() {  # stage NAME SECONDS CMD...
     local name=$1 secs=$2; shift 2
-    if [ -n "$STAGES" ] && [ "$name" != build ] && [[ " $STAGES " != *" $name "* ]]; then
+    if [ -n "$STAGES" ] && [ "$name" != build ] && [ "$name" != extra ] && [[ " $STAGES " != *" $name "* ]]; then
         return 0
     fi
     local t0=$(date +%s)
