@@ -107,7 +107,8 @@ def peak_mib(device: torch.device) -> float:
 # What the results depend on besides the code, printed with them and written to the JSON.
 ENV_VARS = ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO", "NCCL_IB_DISABLE",
             "NCCL_SHM_USE_CUDA_MEMCPY", "NCCL_SHM_MEMCPY_MODE", "CUDA_VISIBLE_DEVICES",
-            "OMP_NUM_THREADS", "DDPC_NCCL_MIN_CTAS", "DDPC_NCCL_MAX_CTAS")
+            "OMP_NUM_THREADS", "DDPC_NCCL_MIN_CTAS", "DDPC_NCCL_MAX_CTAS",
+            "DDPC_STAGED_ALLREDUCE", "DDPC_STAGED_OVERLAP")
 
 
 def describe_env(device: torch.device) -> dict:
@@ -234,6 +235,14 @@ def _worker(rank, args, ports, results):
         Variant("ddpc", lambda m: ddpc.wrap_model(m)),
         Variant("ddpc grad_dtype=bf16", lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16)),
     ]
+    if args.bf16_via_bucket:
+        # What casting fresh gradients straight to the wire saves: each copied into its bucket
+        # slot first, as before it.
+        def via_bucket(m):
+            w = ddpc.wrap_model(m, grad_dtype=torch.bfloat16)
+            w._grad_hooks.to_wire = False
+            return w
+        variants.append(Variant("ddpc bf16 via bucket", via_bucket))
     for cap in args.extra_caps:
         variants.append(Variant(f"ddpc bucket_cap_mb={cap:g}",
                                 lambda m, cap=cap: ddpc.wrap_model(m, bucket_cap_mb=cap)))
@@ -324,6 +333,9 @@ def main() -> int:
     ap.add_argument("--extra-caps", type=float, nargs="*", default=[],
                     help="also run ddpc (float32 and bfloat16 gradients) with these "
                          "bucket_cap_mb values")
+    ap.add_argument("--bf16-via-bucket", action="store_true",
+                    help="also run ddpc with bf16 gradients copied into their bucket slots "
+                         "before the cast (the path before gradients went straight to the wire)")
     ap.add_argument("--timeout", type=float, default=200.0,
                     help="seconds before the workers are stopped (default 200)")
     args = ap.parse_args()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, per-call latency, NCCL collectives, DDP step
-# benchmarks (NVLink, NCCL_P2P_DISABLE=1, and that with DDPC_STAGED_OVERLAP=1), doctor;
+# benchmarks (NVLink, NCCL_P2P_DISABLE=1, and that with DDPC_STAGED_OVERLAP=0), doctor;
 # on a machine with one GPU, the 1-GPU tests, the wrappers' cost at one rank, the main job and
 # doctor. Each stage's log goes to $LOGS (/tmp/ddpc_gpu_logs) and is appended to
 # $OUT/suite.log as the stage ends, so one file holds everything even when the call is cut short.
@@ -35,9 +35,9 @@ if [ "$NGPU" -ge 2 ]; then
     stage ddp_nvlink 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30
     NCCL_P2P_DISABLE=1 stage ddp_nop2p 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 \
         --steps 30 --p2p off
-    # The staged all-reduce with consecutive calls overlapping (an experiment; NCCL's own
-    # copy-engine SHM mode, NCCL_SHM_USE_CUDA_MEMCPY=1, printed nothing in 120 s here).
-    NCCL_P2P_DISABLE=1 DDPC_STAGED_OVERLAP=1 stage ddp_nop2p_overlap 120 \
+    # The staged all-reduce with each call waiting for the one before (NCCL's own copy-engine
+    # SHM mode, NCCL_SHM_USE_CUDA_MEMCPY=1, printed nothing in 120 s here).
+    NCCL_P2P_DISABLE=1 DDPC_STAGED_OVERLAP=0 stage ddp_nop2p_serial 120 \
         $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30 --p2p off \
         --variants "1 process (no DDP),torch DDP,ddpc,ddpc grad_dtype=bf16"
     stage latency 90 $PY benchmarks/latency.py --nproc 2 --iters 1000 --max-bytes 1048576

@@ -375,7 +375,7 @@ typedef struct NcclImpl {
     struct FastAr *fast;     /* the one-shot path for small all-reduces, NULL when off */
     DdpcStaged *staged;      /* the copy-engine path for large all-reduces without P2P, or NULL */
     size_t staged_min_bytes; /* all-reduces of at least this many bytes take it */
-    int staged_overlap;      /* DDPC_STAGED_OVERLAP=1: calls on disjoint buffers overlap */
+    int staged_overlap;      /* calls on disjoint buffers overlap (DDPC_STAGED_OVERLAP=0: not) */
 } NcclImpl;
 
 /* What a fast call was, for the message when it fails (the kernel reports only its epoch). */
@@ -1408,8 +1408,10 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
                   (unsigned long long)zero.min_bytes, (size_t)mine.min_bytes);
     im->staged = s;
     im->staged_min_bytes = DDPC_MAX((size_t)zero.min_bytes, (size_t)1);
-    /* Local: it changes which streams wait for what on this rank, not what any rank issues. */
-    im->staged_overlap = env_truthy(getenv("DDPC_STAGED_OVERLAP"));
+    /* Local: it changes which streams wait for what on this rank, not what any rank issues.
+     * On unless DDPC_STAGED_OVERLAP=0. */
+    const char *ov = getenv("DDPC_STAGED_OVERLAP");
+    im->staged_overlap = !ov || !ov[0] || env_truthy(ov);
     g->staged_min_bytes = im->staged_min_bytes;
     DDPC_INFO("NCCL", "rank %d: all-reduces of %zu bytes or more go through pinned host memory on "
               "the copy engines (%zu-byte chunks)", g->rank, im->staged_min_bytes, chunk);
@@ -1734,7 +1736,7 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w) {
     /* Zero elements: nothing to move, and NCCL may reject the NULL buffers that come with it.
      * Every rank sees the same count, so every rank skips. */
     int call = a->op == DDPC_COLL_BARRIER || a->count > 0;
-    /* DDPC_STAGED_OVERLAP: im->ready holds the caller's stream position of this post (nccl_post
+    /* Staged overlap: im->ready holds the caller's stream position of this post (nccl_post
      * just recorded it; posts are serialized). Looked up before comm_mu, never held with mu. */
     void *ready = im->staged && im->staged_overlap && call && a->op == DDPC_COLL_ALLREDUCE &&
                           disjoint_from_queue(im, w)

@@ -84,6 +84,17 @@ ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc
                       DDPC_NO_CUDA_HINT, n, ddpc_dtype_name(src_dt), ddpc_dtype_name(dst_dt));
 }
 
+ddpc_status ddpc_device_cast_many(int n, void *const *dsts, ddpc_dtype dst_dt,
+                                  const void *const *srcs, ddpc_dtype src_dt,
+                                  const size_t *counts, uintptr_t stream) {
+    (void)dsts;
+    (void)srcs;
+    (void)counts;
+    (void)stream;
+    return ddpc_error(DDPC_ERR_UNAVAILABLE, "cannot cast %d arrays from %s to %s on a device: "
+                      DDPC_NO_CUDA_HINT, n, ddpc_dtype_name(src_dt), ddpc_dtype_name(dst_dt));
+}
+
 ddpc_status ddpc_device_reduce_into(void *dst, const void *const *srcs, int nsrc, ddpc_dtype dt,
                                     size_t n, int div, uintptr_t stream) {
     (void)dst;

@@ -289,6 +289,20 @@ ddpc_status ddpc_reducer_mark_ready(DdpcReducer *r, int i, uintptr_t stream);
  * copy is ordered on stream, before the bucket's collective. */
 ddpc_status ddpc_reducer_mark_ready_copy(DdpcReducer *r, int i, const void *src,
                                          uintptr_t stream);
+/* Marks parameter i ready given its gradient at src (dense, its dtype, the bucket's device),
+ * which stays the parameter's gradient: when its bucket is reduced in another dtype and has a
+ * wire buffer, src is cast straight into the wire and finalize writes the averaged values back
+ * to src (*direct = 1; the bucket's own memory is not needed for it, and src must stay alive
+ * and in place until finalize returns). Otherwise as mark_ready_copy (*direct = 0: the caller
+ * points the gradient at the slot). */
+ddpc_status ddpc_reducer_mark_ready_grad(DdpcReducer *r, int i, const void *src,
+                                         uintptr_t stream, int *direct);
+/* 1 when parameter i's bucket is reduced in another dtype and has its wire buffer, so
+ * ddpc_reducer_mark_ready_grad takes gradients without the bucket's memory. */
+int ddpc_reducer_param_wired(DdpcReducer *r, int i);
+/* Gives bucket b its wire buffer (comm dtype elements, count of them) for the reducer's life;
+ * set_bucket_memory may give it too. Not while the bucket is in use. */
+ddpc_status ddpc_reducer_set_bucket_wire(DdpcReducer *r, int b, void *comm_buf);
 /* 1 when parameter i's bucket has memory (it was given some and not released since). */
 int ddpc_reducer_param_has_memory(DdpcReducer *r, int i);
 /* 1 when ddpc_reducer_mark_ready(r, i, ...) would launch a collective now (it then does work
@@ -342,6 +356,12 @@ ddpc_status ddpc_device_copy(void *dst, const void *src, size_t bytes, uintptr_t
 /* dst[i] = (dst_dt)(src[i] * scale) for float32/float16/bfloat16/float64 pairs. */
 ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
                              size_t n, float scale, uintptr_t stream);
+/* dsts[k][i] = (dst_dt)srcs[k][i] for i < counts[k], k < n: many casts between one pair of float
+ * dtypes in a few launches (the reducer's wire slots back into separate gradients). Pairs must
+ * not overlap; a zero count is skipped. */
+ddpc_status ddpc_device_cast_many(int n, void *const *dsts, ddpc_dtype dst_dt,
+                                  const void *const *srcs, ddpc_dtype src_dt,
+                                  const size_t *counts, uintptr_t stream);
 /* dst[i] = (dst[i] + srcs[0][i] + ... + srcs[nsrc-1][i]) / div for the float dtypes, summed in
  * float (double for float64) and rounded once; div 1 is a plain sum. At most
  * DDPC_DEVICE_REDUCE_MAX_SRCS sources, none overlapping dst. */

@@ -163,6 +163,59 @@ ddpc_status reduce_launch(void *dst, const Srcs &srcs, int nsrc, size_t n, int d
     return DDPC_OK;
 }
 
+/* Many (dst, src, n) arrays in one launch: block b works on array t, the one with
+ * start[t] <= b < start[t + 1], elements [(b - start[t]) * kManyChunk, ... + kManyChunk). */
+constexpr int kMany = 24;
+constexpr size_t kManyChunk = 4096;
+struct ManyArgs {
+    void *dst[kMany];
+    const void *src[kMany];
+    size_t n[kMany];
+    unsigned start[kMany + 1];
+    int count;
+};
+
+template <typename Dst, typename Src>
+__global__ void cast_many_kernel(ManyArgs a) {
+    unsigned b = blockIdx.x;
+    int t = 0;
+    while (t + 1 < a.count && a.start[t + 1] <= b) t++;
+    size_t from = (size_t)(b - a.start[t]) * kManyChunk;
+    size_t to = from + kManyChunk < a.n[t] ? from + kManyChunk : a.n[t];
+    Dst *dst = static_cast<Dst *>(a.dst[t]);
+    const Src *src = static_cast<const Src *>(a.src[t]);
+    for (size_t i = from + threadIdx.x; i < to; i += blockDim.x)
+        dst[i] = cast_one<Dst, Src>(src[i], static_cast<acc_t<Dst, Src>>(1));
+}
+
+template <typename Dst, typename Src>
+ddpc_status cast_many_launch(const ManyArgs &a, cudaStream_t stream) {
+    unsigned grid = a.start[a.count];
+    cast_many_kernel<Dst, Src><<<grid, kBlock, 0, stream>>>(a);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return ddpc_error(DDPC_ERR_CUDA,
+                          "launching a cast of %d arrays (grid %u x %d) failed: %s (%s); the "
+                          "stream must belong to the current device (%s:%d)",
+                          a.count, grid, kBlock, cudaGetErrorName(e), cudaGetErrorString(e),
+                          __FILE__, __LINE__);
+    return DDPC_OK;
+}
+
+/* The (float32 or float64) <-> (bfloat16 or float16) pairs of the reducer's wire format, and
+ * same-dtype copies. */
+template <typename Dst>
+ddpc_status cast_many_from(const ManyArgs &a, ddpc_dtype src_dt, cudaStream_t stream) {
+    switch (src_dt) {
+    case DDPC_FLOAT32: return cast_many_launch<Dst, float>(a, stream);
+    case DDPC_FLOAT64: return cast_many_launch<Dst, double>(a, stream);
+    case DDPC_FLOAT16: return cast_many_launch<Dst, __half>(a, stream);
+    case DDPC_BFLOAT16: return cast_many_launch<Dst, __nv_bfloat16>(a, stream);
+    default: break;
+    }
+    return ddpc_error(DDPC_ERR_INVALID, "device cast of many arrays: unsupported source dtype");
+}
+
 bool is_float_dtype(ddpc_dtype dt) {
     return dt == DDPC_FLOAT32 || dt == DDPC_FLOAT64 || dt == DDPC_FLOAT16 || dt == DDPC_BFLOAT16;
 }
@@ -247,4 +300,53 @@ ddpc_status ddpc_device_reduce_into(void *dst, const void *const *srcs, int nsrc
     default: break;
     }
     return ddpc_error(DDPC_ERR_INVALID, "device reduce: unsupported dtype");
+}
+
+ddpc_status ddpc_device_cast_many(int n, void *const *dsts, ddpc_dtype dst_dt,
+                                  const void *const *srcs, ddpc_dtype src_dt,
+                                  const size_t *counts, uintptr_t stream) {
+    if (!is_float_dtype(dst_dt) || !is_float_dtype(src_dt))
+        return ddpc_error(DDPC_ERR_INVALID,
+                          "device cast of many arrays, %s -> %s: only float32, float64, float16 "
+                          "and bfloat16 are supported",
+                          ddpc_dtype_name(src_dt), ddpc_dtype_name(dst_dt));
+    if (n < 0 || (n > 0 && (!dsts || !srcs || !counts)))
+        return ddpc_error(DDPC_ERR_INVALID, "device cast of many arrays: %d arrays, NULL lists", n);
+    size_t dsz = ddpc_dtype_size(dst_dt), ssz = ddpc_dtype_size(src_dt);
+    cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+    ManyArgs a = {};
+    for (int k = 0; k <= n; k++) {
+        /* Flush when the table is full, the grid would grow past what one launch takes, or at
+         * the end. */
+        size_t blocks = k < n ? ceil_div(counts[k], kManyChunk) : 0;
+        if (a.count && (k == n || a.count == kMany || a.start[a.count] + blocks > (1u << 30))) {
+            ddpc_status r;
+            switch (dst_dt) {
+            case DDPC_FLOAT32: r = cast_many_from<float>(a, src_dt, st); break;
+            case DDPC_FLOAT64: r = cast_many_from<double>(a, src_dt, st); break;
+            case DDPC_FLOAT16: r = cast_many_from<__half>(a, src_dt, st); break;
+            default: r = cast_many_from<__nv_bfloat16>(a, src_dt, st); break;
+            }
+            if (r != DDPC_OK) return r;
+            a = ManyArgs{};
+        }
+        if (k == n) break;
+        if (!counts[k]) continue;
+        uintptr_t d = reinterpret_cast<uintptr_t>(dsts[k]), s = reinterpret_cast<uintptr_t>(srcs[k]);
+        if (!d || !s)
+            return ddpc_error(DDPC_ERR_INVALID, "device cast of many arrays: array %d (%zu "
+                              "elements) has a NULL %s", k, counts[k], !d ? "destination" : "source");
+        if (d < s + counts[k] * ssz && s < d + counts[k] * dsz)
+            return ddpc_error(DDPC_ERR_INVALID, "device cast of many arrays: array %d's source and "
+                              "destination overlap", k);
+        if (blocks > (1u << 30))
+            return ddpc_error(DDPC_ERR_INVALID, "device cast of many arrays: array %d has %zu "
+                              "elements, too many for one launch", k, counts[k]);
+        a.dst[a.count] = dsts[k];
+        a.src[a.count] = srcs[k];
+        a.n[a.count] = counts[k];
+        a.start[a.count + 1] = a.start[a.count] + (unsigned)blocks;
+        a.count++;
+    }
+    return DDPC_OK;
 }

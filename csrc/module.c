@@ -738,11 +738,25 @@ typedef struct {
     PyObject_HEAD
     DdpcReducer *r;
     PyObject *group;   /* the GroupObject whose DdpcGroup the reducer posts to */
-    PyObject *keep;    /* list, one slot per bucket: the owner of its memory while the reducer
-                        * points to it */
+    PyObject *keep;    /* list: per bucket, the owner of its memory while the reducer points to
+                        * it; then per bucket, its wire buffer's; then per parameter, the
+                        * gradient that went to the wire from where it lay (until finalize
+                        * wrote the averaged values back into it) */
     int *scratch;      /* nparams ints for unready() */
     int nparams;
+    int nbuckets;
 } ReducerObject;
+
+/* Drops the gradients held for the reducer's writes back (slots 2 * nbuckets ...). */
+static int reducer_drop_grads(ReducerObject *self) {
+    if (!self->keep) return 0;
+    for (Py_ssize_t k = 2 * (Py_ssize_t)self->nbuckets; k < PyList_GET_SIZE(self->keep); k++) {
+        if (PyList_GET_ITEM(self->keep, k) == Py_None) continue;
+        Py_INCREF(Py_None);
+        if (PyList_SetItem(self->keep, k, Py_None) < 0) return -1;
+    }
+    return 0;
+}
 
 /* Fills out[0..n) from a sequence of ints (NULL seq: leaves out alone and returns 0). */
 static int ints_from_seq(PyObject *seq, Py_ssize_t n, const char *what, long long lo,
@@ -834,9 +848,10 @@ static PyObject *Reducer_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
         goto fail;
     }
     Py_ssize_t nb = ddpc_reducer_num_buckets(self->r);
-    self->keep = PyList_New(nb);
+    self->nbuckets = (int)nb;
+    self->keep = PyList_New(2 * nb + n);
     if (!self->keep) goto fail;
-    for (Py_ssize_t b = 0; b < nb; b++) {
+    for (Py_ssize_t b = 0; b < 2 * nb + n; b++) {
         Py_INCREF(Py_None);
         PyList_SET_ITEM(self->keep, b, Py_None);
     }
@@ -946,6 +961,19 @@ static PyObject *Reducer_set_bucket_memory(ReducerObject *self, PyObject *args) 
     Py_RETURN_NONE;
 }
 
+static PyObject *Reducer_set_bucket_wire(ReducerObject *self, PyObject *args) {
+    int b;
+    unsigned long long ptr;
+    PyObject *keep;
+    if (!PyArg_ParseTuple(args, "iKO", &b, &ptr, &keep)) return NULL;
+    if (!reducer_ready(self)) return NULL;
+    ddpc_status st = ddpc_reducer_set_bucket_wire(self->r, b, (void *)(uintptr_t)ptr);
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    Py_INCREF(keep);
+    if (PyList_SetItem(self->keep, self->nbuckets + b, keep) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Reducer_release_bucket(ReducerObject *self, PyObject *args) {
     int b;
     if (!PyArg_ParseTuple(args, "i", &b)) return NULL;
@@ -962,6 +990,8 @@ static PyObject *Reducer_prepare(ReducerObject *self, PyObject *unused) {
     if (!reducer_ready(self)) return NULL;
     ddpc_status st;
     DDPC_NOGIL(st, ddpc_reducer_prepare(self->r));
+    /* An unfinished step's collectives are drained by now: its gradients may go. */
+    if (reducer_drop_grads(self) < 0) return NULL;
     if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
     Py_RETURN_NONE;
 }
@@ -1021,6 +1051,9 @@ static PyObject *Reducer_finalize(ReducerObject *self, PyObject *args) {
     ddpc_status st;
     DDPC_NOGIL(st, ddpc_reducer_finalize(self->r, (uintptr_t)stream, &unused));
     if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    /* The writes back are queued; the gradients stay their parameters' (the allocator orders
+     * any reuse of their memory after them on the stream). */
+    if (reducer_drop_grads(self) < 0) return NULL;
     return PyLong_FromLong(unused);
 }
 
@@ -1098,6 +1131,8 @@ static PyMethodDef Reducer_methods[] = {
     {"prepare", (PyCFunction)Reducer_prepare, METH_NOARGS, "start a step"},
     {"mark_ready", (PyCFunction)(void (*)(void))Reducer_mark_ready, METH_FASTCALL,
      "mark_ready(i, stream=0): parameter i's gradient is in its slot"},
+    {"set_bucket_wire", (PyCFunction)Reducer_set_bucket_wire, METH_VARARGS,
+     "set_bucket_wire(b, ptr, owner): bucket b's wire buffer for the reducer's life"},
     {"unready", (PyCFunction)Reducer_unready, METH_NOARGS,
      "unready() -> [i, ...]: parameters not marked ready so far this step"},
     {"finalize", (PyCFunction)Reducer_finalize, METH_VARARGS,
@@ -1146,6 +1181,7 @@ typedef struct {
     int device;             /* the CUDA device of the parameters, -1 on the host */
     unsigned long long stream;
     char fast;              /* a synced backward is running and its end is queued */
+    char to_wire;           /* fresh gradients of wire buckets go straight to the wire */
 } GradHooksObject;
 
 typedef struct {
@@ -1203,6 +1239,7 @@ static PyObject *GradHooks_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
     Py_INCREF(names);
     self->names = names;
     self->device = -1;
+    self->to_wire = 1;
     return (PyObject *)self;
 }
 
@@ -1281,6 +1318,9 @@ static PyMemberDef GradHooks_members[] = {
      "True while a synced backward runs with its end-of-backward reduction queued"},
     {"device", T_INT, offsetof(GradHooksObject, device), 0,
      "the CUDA device the parameters are on (passed to current_stream), -1 on the host"},
+    {"to_wire", T_BOOL, offsetof(GradHooksObject, to_wire), 0,
+     "True (the default): a fresh gradient of a bucket reduced in another dtype is cast to the "
+     "wire from where it lies; False: copied into its bucket slot first (for comparisons)"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1434,8 +1474,12 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
                          r->nparams);
             goto done;
         }
-        if (grad == Py_None || !view || view == Py_None ||
-            !ddpc_reducer_param_has_memory(r->r, (int)i)) {
+        /* A fresh gradient of a bucket that goes over the wire in another dtype is cast there
+         * from where it lies: it needs no slot. */
+        int wired = h->to_wire && grad != Py_None && grad != view &&
+                    ddpc_reducer_param_wired(r->r, (int)i);
+        if (grad == Py_None || (!wired && (!view || view == Py_None ||
+                                           !ddpc_reducer_param_has_memory(r->r, (int)i)))) {
             /* No gradient, or its bucket is released (parked or dropped): the Python path gives
              * it memory. */
             handled = 0;
@@ -1472,8 +1516,22 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
             /* grad_copy_source ran Python (methods of the tensor), which may have let another
              * thread close the reducer. */
             if (!reducer_ready(r)) goto done;
-            st = ddpc_reducer_mark_ready_copy(r->r, (int)i, src, stream);
-            if (st == DDPC_OK && PyObject_SetAttr(p, g_str_grad, view) < 0) goto done;
+            int direct = 0;
+            st = h->to_wire ? ddpc_reducer_mark_ready_grad(r->r, (int)i, src, stream, &direct)
+                            : ddpc_reducer_mark_ready_copy(r->r, (int)i, src, stream);
+            if (st == DDPC_OK && direct) {
+                /* The reducer writes the averaged values back into this gradient at finalize:
+                 * hold it until then. */
+                Py_INCREF(grad);
+                if (PyList_SetItem(r->keep, 2 * (Py_ssize_t)r->nbuckets + i, grad) < 0)
+                    goto done;
+            } else if (st == DDPC_OK && (!view || view == Py_None)) {
+                PyErr_Format(PyExc_RuntimeError, "gradient hook %zd: the gradient was copied "
+                             "into a slot that has no view", i);
+                goto done;
+            } else if (st == DDPC_OK && PyObject_SetAttr(p, g_str_grad, view) < 0) {
+                goto done;
+            }
         } else {
             st = ddpc_reducer_mark_ready(r->r, (int)i, stream);
         }

@@ -19,9 +19,10 @@ typedef struct Bucket {
     int first;          /* its parameters are r->bucket_params[first .. first + nparams) */
     int nparams;
     void *buf;          /* caller's memory; NULL until given, and while released */
-    void *comm_buf;
+    void *comm_buf;     /* the wire buffer (comm_dtype >= 0); kept while the bucket is released */
     int released;       /* the caller took its memory back until the bucket's gradients arrive */
     int pending;        /* parameters not yet ready this step */
+    int ndirect;        /* of them, how many went straight to the wire (see mark_ready_grad) */
     int launched;
     DdpcWork *work;     /* in flight between launch and the end of finalize */
 } Bucket;
@@ -43,6 +44,8 @@ struct DdpcReducer {
     int next_launch;      /* every bucket before it is launched */
     uint8_t *ready;
     int *ready_count;
+    uint8_t *direct;      /* the gradient went to the wire from where autograd left it... */
+    void **grad_at;       /* ...which is here, and the reduced values go back there */
     int *seen;            /* parameters in the order they became ready */
     int nseen;
     /* the last finished step */
@@ -185,6 +188,8 @@ static void free_arrays(DdpcReducer *r) {
     free(r->param_offset);
     free(r->ready);
     free(r->ready_count);
+    free(r->direct);
+    free(r->grad_at);
     free(r->seen);
     free(r->last_order);
     free(r->last_count);
@@ -220,6 +225,9 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
                     fail);
     DDPC_CHECK_GOTO(alloc_array((void **)&r->ready, n, 1, "ready flags"), st, fail);
     DDPC_CHECK_GOTO(alloc_array((void **)&r->ready_count, n, sizeof(int), "ready counts"), st,
+                    fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->direct, n, 1, "direct flags"), st, fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->grad_at, n, sizeof(void *), "gradient addresses"), st,
                     fail);
     DDPC_CHECK_GOTO(alloc_array((void **)&r->seen, n, sizeof(int), "ready order"), st, fail);
     DDPC_CHECK_GOTO(alloc_array((void **)&r->last_order, n, sizeof(int), "observed order"), st,
@@ -331,10 +339,11 @@ static ddpc_status check_bucket_idle(const DdpcReducer *r, int b) {
     if (bk->work || (r->step_active && bk->launched))
         return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d's memory cannot change while it "
                           "is being reduced", b);
-    if (r->step_active && bk->pending < bk->nparams)
+    /* (gradients that went straight to the wire never touched the bucket's memory) */
+    if (r->step_active && bk->nparams - bk->pending > bk->ndirect)
         return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d's memory cannot change after %d "
                           "of its %d gradients were marked ready in this backward pass", b,
-                          bk->nparams - bk->pending, bk->nparams);
+                          bk->nparams - bk->pending - bk->ndirect, bk->nparams);
     return DDPC_OK;
 }
 
@@ -350,11 +359,35 @@ ddpc_status ddpc_reducer_set_bucket_memory(DdpcReducer *r, int b, void *buf, voi
                           ddpc_dtype_name((ddpc_dtype)bk->comm_dtype), bk->count);
     pthread_mutex_lock(&r->mu);
     ddpc_status st = check_bucket_idle(r, b);
+    if (st == DDPC_OK && bk->comm_dtype >= 0 && bk->comm_buf && comm_buf != bk->comm_buf &&
+        bk->ndirect > 0)
+        st = ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d's wire buffer cannot change after "
+                        "gradients were cast into it in this backward pass", b);
     if (st == DDPC_OK) {
         bk->buf = buf;
         bk->comm_buf = bk->comm_dtype >= 0 ? comm_buf : NULL;
         bk->released = 0;
     }
+    pthread_mutex_unlock(&r->mu);
+    return st;
+}
+
+ddpc_status ddpc_reducer_set_bucket_wire(DdpcReducer *r, int b, void *comm_buf) {
+    DDPC_CHECK(check_bucket(r, b));
+    Bucket *bk = &r->buckets[b];
+    if (bk->comm_dtype < 0)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d is reduced in its own dtype and "
+                          "has no wire buffer", b);
+    if (bk->count && !comm_buf)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d's wire buffer of %zu elements is "
+                          "NULL", b, bk->count);
+    pthread_mutex_lock(&r->mu);
+    ddpc_status st = DDPC_OK;
+    if (bk->work || (r->step_active && (bk->launched || bk->ndirect > 0)))
+        st = ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d's wire buffer cannot change while "
+                        "it is in use", b);
+    else
+        bk->comm_buf = comm_buf;
     pthread_mutex_unlock(&r->mu);
     return st;
 }
@@ -365,8 +398,7 @@ ddpc_status ddpc_reducer_release_bucket(DdpcReducer *r, int b) {
     pthread_mutex_lock(&r->mu);
     ddpc_status st = check_bucket_idle(r, b);
     if (st == DDPC_OK) {
-        bk->buf = NULL;
-        bk->comm_buf = NULL;
+        bk->buf = NULL; /* (the wire buffer stays: it is the caller's for the reducer's life) */
         bk->released = 1;
     }
     pthread_mutex_unlock(&r->mu);
@@ -386,10 +418,13 @@ static ddpc_status check_has_memory(const DdpcReducer *r, int b) {
 static void reset_step(DdpcReducer *r) {
     memset(r->ready, 0, (size_t)r->nparams);
     memset(r->ready_count, 0, (size_t)r->nparams * sizeof(int));
+    memset(r->direct, 0, (size_t)r->nparams);
+    memset(r->grad_at, 0, (size_t)r->nparams * sizeof(void *));
     r->nseen = 0;
     r->next_launch = 0;
     for (int b = 0; b < r->nbuckets; b++) {
         r->buckets[b].pending = r->buckets[b].nparams;
+        r->buckets[b].ndirect = 0;
         r->buckets[b].launched = 0;
     }
 }
@@ -420,6 +455,16 @@ ddpc_status ddpc_reducer_prepare(DdpcReducer *r) {
     return DDPC_OK;
 }
 
+/* Casts elements [off, off + n) of a bucket-shaped array into another (host or device). */
+static ddpc_status cast_slots(const Bucket *bk, void *dst, ddpc_dtype dst_dt, const void *src,
+                              ddpc_dtype src_dt, size_t off, size_t n, uintptr_t stream) {
+    if (!n) return DDPC_OK;
+    void *d = (char *)dst + off * ddpc_dtype_size(dst_dt);
+    const void *s = (const char *)src + off * ddpc_dtype_size(src_dt);
+    if (bk->device < 0) return ddpc_convert_host(d, dst_dt, s, src_dt, n);
+    return ddpc_device_cast(d, dst_dt, s, src_dt, n, 1.0f, stream);
+}
+
 static ddpc_status launch(DdpcReducer *r, int b, uintptr_t stream) {
     Bucket *bk = &r->buckets[b];
     bk->launched = 1;
@@ -428,11 +473,17 @@ static ddpc_status launch(DdpcReducer *r, int b, uintptr_t stream) {
     ddpc_dtype dt = bk->dtype;
     if (bk->comm_dtype >= 0) {
         ddpc_dtype cdt = (ddpc_dtype)bk->comm_dtype;
-        if (bk->device < 0)
-            DDPC_CHECK(ddpc_convert_host(bk->comm_buf, cdt, bk->buf, bk->dtype, bk->count));
-        else
-            DDPC_CHECK(ddpc_device_cast(bk->comm_buf, cdt, bk->buf, bk->dtype, bk->count, 1.0f,
-                                        stream));
+        if (bk->ndirect == 0) {
+            DDPC_CHECK(cast_slots(bk, bk->comm_buf, cdt, bk->buf, bk->dtype, 0, bk->count, stream));
+        } else {
+            /* The gradients that lie in their slots join those cast to the wire on arrival. */
+            for (int j = 0; j < bk->nparams; j++) {
+                int p = r->bucket_params[bk->first + j];
+                if (r->direct[p]) continue;
+                DDPC_CHECK(cast_slots(bk, bk->comm_buf, cdt, bk->buf, bk->dtype,
+                                      r->param_offset[p], r->numels[p], stream));
+            }
+        }
         wire = bk->comm_buf;
         dt = cdt;
     }
@@ -477,15 +528,41 @@ static ddpc_status copy_into_slot(DdpcReducer *r, int i, const void *src, uintpt
     return ddpc_device_copy(dst, src, bytes, stream);
 }
 
-static ddpc_status mark_ready(DdpcReducer *r, int i, uintptr_t stream, const void *src) {
+/* Casts parameter i's gradient at src (where autograd left it) straight into its slot of the
+ * wire buffer, and remembers where it lies so finalize can write the reduced values back there.
+ * Called with r->mu held, before the bucket launches. */
+static ddpc_status cast_to_wire(DdpcReducer *r, int i, const void *src, uintptr_t stream) {
+    Bucket *bk = &r->buckets[r->param_bucket[i]];
+    ddpc_dtype cdt = (ddpc_dtype)bk->comm_dtype;
+    void *dst = (char *)bk->comm_buf + r->param_offset[i] * ddpc_dtype_size(cdt);
+    if (r->numels[i] && bk->device < 0)
+        DDPC_CHECK(ddpc_convert_host(dst, cdt, src, r->dtypes[i], r->numels[i]));
+    else if (r->numels[i])
+        DDPC_CHECK(ddpc_device_cast(dst, cdt, src, r->dtypes[i], r->numels[i], 1.0f, stream));
+    if (!r->direct[i]) {
+        r->direct[i] = 1;
+        bk->ndirect++;
+    }
+    r->grad_at[i] = (void *)src;
+    return DDPC_OK;
+}
+
+/* Takes parameter i's gradient: already in its slot (src NULL), to be copied there (src, how
+ * 1), or (how 2) left where it is when its bucket goes over the wire in another dtype: cast
+ * straight into the wire buffer, which spares the bucket a copy and a full-width read. *direct
+ * says which of the last two happened. */
+static ddpc_status mark_ready(DdpcReducer *r, int i, uintptr_t stream, const void *src, int how,
+                              int *direct) {
     DDPC_CHECK(check_param(r, i));
     ddpc_status st = DDPC_OK;
+    if (direct) *direct = 0;
     pthread_mutex_lock(&r->mu);
     Bucket *bk = &r->buckets[r->param_bucket[i]];
+    int to_wire = how == 2 && src && bk->comm_dtype >= 0 && bk->comm_buf;
     if (!r->step_active) {
         st = ddpc_error(DDPC_ERR_INVALID, "reducer: parameter %d was marked ready outside a step "
                         "(prepare was not called, or finalize already ran)", i);
-    } else if (bk->count && !bk->buf) {
+    } else if (!to_wire && bk->count && !bk->buf) {
         st = check_has_memory(r, r->param_bucket[i]);
     } else if (r->ready[i]) {
         r->ready_count[i]++;
@@ -497,10 +574,21 @@ static ddpc_status mark_ready(DdpcReducer *r, int i, uintptr_t stream, const voi
                             "reused in several reentrant checkpoint segments) although it was not "
                             "in the first step, which decided the buckets", i,
                             r->param_bucket[i]);
-        else if (src)
+        else if (to_wire)
+            st = cast_to_wire(r, i, src, stream);
+        else if (!r->direct[i] && src)
             st = copy_into_slot(r, i, src, stream);
-    } else if (src && (st = copy_into_slot(r, i, src, stream)) != DDPC_OK) {
+        else if (r->direct[i] && (!src || (st = copy_into_slot(r, i, src, stream)) == DDPC_OK)) {
+            /* It went to the wire before and now lies in its slot: the launch takes it from
+             * there, and finalize leaves the reduced values there. */
+            r->direct[i] = 0;
+            bk->ndirect--;
+            r->grad_at[i] = NULL;
+        }
+    } else if (to_wire && (st = cast_to_wire(r, i, src, stream)) != DDPC_OK) {
         /* nothing marked: the caller's error says what failed */
+    } else if (!to_wire && src && (st = copy_into_slot(r, i, src, stream)) != DDPC_OK) {
+        /* likewise */
     } else {
         r->ready[i] = 1;
         r->ready_count[i]++;
@@ -508,12 +596,13 @@ static ddpc_status mark_ready(DdpcReducer *r, int i, uintptr_t stream, const voi
         bk->pending--;
         st = launch_complete(r, stream);
     }
+    if (st == DDPC_OK && direct) *direct = r->direct[i];
     pthread_mutex_unlock(&r->mu);
     return st;
 }
 
 ddpc_status ddpc_reducer_mark_ready(DdpcReducer *r, int i, uintptr_t stream) {
-    return mark_ready(r, i, stream, NULL);
+    return mark_ready(r, i, stream, NULL, 0, NULL);
 }
 
 ddpc_status ddpc_reducer_mark_ready_copy(DdpcReducer *r, int i, const void *src,
@@ -521,7 +610,24 @@ ddpc_status ddpc_reducer_mark_ready_copy(DdpcReducer *r, int i, const void *src,
     if (!src)
         return ddpc_error(DDPC_ERR_INVALID, "reducer: mark_ready_copy of parameter %d: NULL "
                           "source", i);
-    return mark_ready(r, i, stream, src);
+    return mark_ready(r, i, stream, src, 1, NULL);
+}
+
+ddpc_status ddpc_reducer_mark_ready_grad(DdpcReducer *r, int i, const void *src,
+                                         uintptr_t stream, int *direct) {
+    if (!src || !direct)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: mark_ready_grad of parameter %d: NULL "
+                          "%s", i, !src ? "source" : "result pointer");
+    return mark_ready(r, i, stream, src, 2, direct);
+}
+
+int ddpc_reducer_param_wired(DdpcReducer *r, int i) {
+    if (i < 0 || i >= r->nparams) return 0;
+    pthread_mutex_lock(&r->mu);
+    const Bucket *bk = &r->buckets[r->param_bucket[i]];
+    int yes = bk->comm_dtype >= 0 && bk->comm_buf != NULL;
+    pthread_mutex_unlock(&r->mu);
+    return yes;
 }
 
 int ddpc_reducer_param_has_memory(DdpcReducer *r, int i) {
@@ -586,6 +692,41 @@ static ddpc_status zero_unready(DdpcReducer *r, Bucket *bk, uintptr_t stream, in
     return DDPC_OK;
 }
 
+/* After a wire bucket's collective: the reduced values back into the bucket (when any of its
+ * gradients lives there) and into the gradients that went to the wire from where autograd left
+ * them (a few launches for all of them). Called with r->mu held. */
+static ddpc_status unwire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
+    ddpc_dtype cdt = (ddpc_dtype)bk->comm_dtype;
+    if (bk->ndirect < bk->nparams)
+        DDPC_CHECK(cast_slots(bk, bk->buf, bk->dtype, bk->comm_buf, cdt, 0, bk->count, stream));
+    if (!bk->ndirect) return DDPC_OK;
+    size_t csz = ddpc_dtype_size(cdt);
+    enum { BATCH = 64 };
+    void *dsts[BATCH];
+    const void *srcs[BATCH];
+    size_t counts[BATCH];
+    int n = 0;
+    for (int j = 0; j <= bk->nparams; j++) {
+        if (n == BATCH || (j == bk->nparams && n > 0)) {
+            if (bk->device < 0) {
+                for (int k = 0; k < n; k++)
+                    DDPC_CHECK(ddpc_convert_host(dsts[k], bk->dtype, srcs[k], cdt, counts[k]));
+            } else {
+                DDPC_CHECK(ddpc_device_cast_many(n, dsts, bk->dtype, srcs, cdt, counts, stream));
+            }
+            n = 0;
+        }
+        if (j == bk->nparams) break;
+        int p = r->bucket_params[bk->first + j];
+        if (!r->direct[p]) continue;
+        dsts[n] = r->grad_at[p];
+        srcs[n] = (const char *)bk->comm_buf + r->param_offset[p] * csz;
+        counts[n] = r->numels[p];
+        n++;
+    }
+    return DDPC_OK;
+}
+
 ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused) {
     ddpc_status st = DDPC_OK;
     int nunused = 0;
@@ -598,7 +739,8 @@ ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused)
     /* Every bucket still to launch must have memory before any is zeroed or launched, so that a
      * failure leaves no rank with a partial set of collectives posted by this call. */
     for (int b = r->next_launch; b < r->nbuckets; b++)
-        DDPC_CHECK_GOTO(check_has_memory(r, b), st, out);
+        if (r->buckets[b].ndirect < r->buckets[b].nparams)
+            DDPC_CHECK_GOTO(check_has_memory(r, b), st, out);
     for (int b = r->next_launch; b < r->nbuckets; b++)
         if (r->buckets[b].pending > 0)
             DDPC_CHECK_GOTO(zero_unready(r, &r->buckets[b], stream, &nunused), st, out);
@@ -612,15 +754,7 @@ ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused)
             ddpc_error_prefix(st, "reducer: gradient bucket %d: ", b);
             goto out;
         }
-        if (bk->comm_dtype >= 0) {
-            ddpc_dtype cdt = (ddpc_dtype)bk->comm_dtype;
-            if (bk->device < 0)
-                st = ddpc_convert_host(bk->buf, bk->dtype, bk->comm_buf, cdt, bk->count);
-            else
-                st = ddpc_device_cast(bk->buf, bk->dtype, bk->comm_buf, cdt, bk->count, 1.0f,
-                                      stream);
-            if (st != DDPC_OK) goto out;
-        }
+        if (bk->comm_dtype >= 0 && (st = unwire(r, bk, stream)) != DDPC_OK) goto out;
         ddpc_work_release(bk->work);
         bk->work = NULL;
     }

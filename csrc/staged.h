@@ -34,10 +34,11 @@
  * surfaces on the host, as after an NCCL abort. Peers that keep running can lower a released
  * counter again, so the unblock is repeated until the streams are idle.
  *
- * Consecutive calls do not overlap by default: a call starts on the caller's stream after the
+ * Without more, consecutive calls do not overlap: a call starts on the caller's stream after the
  * previous one (they may share a buffer). Within a call the four steps of consecutive chunks do.
  * With a `ready` event (ddpc_staged_all_reduce) its send and reduce steps start from that event
- * instead: the caller vouches that no earlier call touches the buffer. */
+ * instead: the caller vouches that no earlier call touches the buffer (the nccl backend passes
+ * one when no queued collective touches it, unless DDPC_STAGED_OVERLAP=0). */
 #ifndef DDPC_STAGED_H
 #define DDPC_STAGED_H
 
@@ -77,7 +78,7 @@ void ddpc_staged_unlink(DdpcStaged *s);
  * after it. Every rank must call it with the same count, dtype and op, in the same order.
  * ready (a cudaEvent_t, or NULL): when given, the copies out of buf start once it has completed
  * instead of after everything queued on `stream`, so the call overlaps the ones before it. Only
- * for a buf that nothing queued earlier reads or writes (an experiment: DDPC_STAGED_OVERLAP). */
+ * for a buf that nothing queued earlier reads or writes. */
 ddpc_status ddpc_staged_all_reduce(DdpcStaged *s, void *buf, size_t count, ddpc_dtype dt,
                                    ddpc_redop op, uintptr_t stream, void *ready);
 

@@ -625,15 +625,16 @@ def test_device_kernels():
     assert r.stdout.startswith("ok: "), r.stdout
 
 
-# NCCL_P2P_DISABLE=1 turns the staged path on by default; "small chunks" forces it on with P2P
-# available and 64 KiB chunks (many chunks per call, many slot turns); "overlap" lets a call on a
-# buffer no queued collective touches start without waiting for the calls before it (the 20
-# queued calls), while one on a buffer still in flight (the async-then-sync pair) still waits.
+# NCCL_P2P_DISABLE=1 turns the staged path on by default, where a call on a buffer no queued
+# collective touches starts without waiting for the calls before it (the 20 queued calls), while
+# one on a buffer still in flight (the async-then-sync pair) still waits; "small chunks" forces it
+# on with P2P available and 64 KiB chunks (many chunks per call, many slot turns); "serial" turns
+# the overlap off (DDPC_STAGED_OVERLAP=0): each call waits for the one before.
 STAGED_ENVS = [
     pytest.param({"NCCL_P2P_DISABLE": "1"}, id="without_p2p"),
     pytest.param({"DDPC_STAGED_ALLREDUCE": "1", "DDPC_STAGED_CHUNK_BYTES": "65536",
                   "DDPC_STAGED_MIN_BYTES": "65536"}, id="small_chunks"),
-    pytest.param({"NCCL_P2P_DISABLE": "1", "DDPC_STAGED_OVERLAP": "1"}, id="overlap"),
+    pytest.param({"NCCL_P2P_DISABLE": "1", "DDPC_STAGED_OVERLAP": "0"}, id="serial"),
 ]
 
 
@@ -641,6 +642,7 @@ STAGED_ENVS = [
 @pytest.mark.parametrize("env", STAGED_ENVS)
 def test_staged_all_reduce(monkeypatch, env):
     monkeypatch.delenv("DDPC_STAGED_ALLREDUCE", raising=False)
+    monkeypatch.delenv("DDPC_STAGED_OVERLAP", raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     _assert_no_failures(_run_ranks(_w_staged))

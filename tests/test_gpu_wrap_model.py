@@ -316,13 +316,20 @@ def sc_bf16(rank: int, dev: torch.device) -> Dict[str, Any]:
     model = make(MLP, rank, torch.float32, dev)
     wrapped = ddpc.wrap_model(model, grad_dtype=torch.bfloat16, bucket_cap_mb=SMALL)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-    worst = []
-    for step in range(3):
+    worst, where = [], []
+    # Steps 0-2 as usual (gradients set to None: each is cast to the wire from where autograd
+    # left it, and the float32 buckets never get memory), 3-4 with gradients kept and zeroed in
+    # place (they live in their bucket slots and go to the wire from there).
+    for step in range(5):
         x, y = batch(40 + step, dev, torch.float32)
         per_rank = [local_grads(model, lambda m, r=r: mse(m(shard(x, r)), shard(y, r)))
                     for r in range(WORLD)]
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=step < 3)
         mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+        views = [v for v in wrapped._views if v is not None]
+        in_slots = [any(p.grad is v for v in views) for p in model.parameters()]
+        memory = [b is not None and not wrapped._parked[k] for k, b in enumerate(wrapped._buckets)]
+        where.append((all(in_slots), not any(in_slots), any(memory)))
         ratio = 0.0
         for k, p in enumerate(model.parameters()):
             exact = sum(g[k].double() for g in per_rank) / WORLD
@@ -335,7 +342,7 @@ def sc_bf16(rank: int, dev: torch.device) -> Dict[str, Any]:
         worst.append(ratio)
         opt.step()
     wire = [wrapped._reducer.bucket_info(b)[3] for b in range(wrapped._reducer.num_buckets)]
-    return {"ratio": worst, "wire_codes": wire}
+    return {"ratio": worst, "wire_codes": wire, "where": where}
 
 
 def sc_amp(rank: int, dev: torch.device) -> Dict[str, Any]:
@@ -629,6 +636,9 @@ def check_bf16(runs: Dict[int, Dict[str, Any]]) -> None:
         assert r["wire_codes"] and all(c == bf16 for c in r["wire_codes"]), r["wire_codes"]
         assert max(r["ratio"]) <= 1.0, r["ratio"]
         assert max(r["ratio"]) > 0.01, r["ratio"]  # errors of bf16 size: the wire was bf16
+        # (all in slots, none in slots, any bucket with memory) after each backward
+        assert r["where"][:3] == [(False, True, False)] * 3, r["where"]
+        assert r["where"][3:] == [(True, False, True)] * 2, r["where"]
 
 
 def check_amp(runs: Dict[int, Dict[str, Any]]) -> None:

@@ -400,13 +400,20 @@ def sc_bf16(rank):
     model = make(MLP, rank, torch.float32)
     wrapped = ddpc.wrap_model(model, grad_dtype=torch.bfloat16)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
-    worst, max_err = [], []
-    for step in range(3):
+    worst, max_err, where = [], [], []
+    # Steps 0-2 as usual (gradients set to None: each goes to the wire from where autograd left
+    # it, and the float32 buckets never get memory), 3-4 with gradients kept and zeroed in place
+    # (they live in their bucket slots and go to the wire from there).
+    for step in range(5):
         x, y = batch(40 + step, torch.float32)
         per_rank = [local_grads(model, lambda m, r=r: mse(m(shard(x, r)), shard(y, r)))
                     for r in range(WORLD)]
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=step < 3)
         mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+        views = [v for v in wrapped._views if v is not None]
+        in_slots = [any(p.grad is v for v in views) for p in model.parameters()]
+        memory = [b is not None and not wrapped._parked[k] for k, b in enumerate(wrapped._buckets)]
+        where.append((all(in_slots), not any(in_slots), any(memory)))
         ratio, err = 0.0, 0.0
         for k, p in enumerate(model.parameters()):
             exact = sum(g[k].double() for g in per_rank) / WORLD
@@ -420,7 +427,7 @@ def sc_bf16(rank):
         worst.append(ratio)
         max_err.append(err)
         opt.step()
-    return {"ratio": worst, "err": max_err}
+    return {"ratio": worst, "err": max_err, "where": where}
 
 
 def sc_mismatch(rank):
@@ -698,6 +705,9 @@ def test_bf16_reduction_is_close_to_fp32(runs):
     for r in result(runs, "bf16"):
         assert max(r["ratio"]) <= 1.0, r["ratio"]
         assert max(r["ratio"]) > 0.01  # errors of bf16 size: the wire really was bf16
+        # (all in slots, none in slots, any bucket with memory) after each backward
+        assert r["where"][:3] == [(False, True, False)] * 3, r["where"]
+        assert r["where"][3:] == [(True, False, True)] * 2, r["where"]
 
 
 def test_mismatched_models_raise_on_every_rank(runs):

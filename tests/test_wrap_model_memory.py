@@ -220,19 +220,19 @@ def sc_rebuild_none(rank):
     opt.zero_grad(set_to_none=True)
     old = [weakref.ref(t) for t in wrapped._buckets + wrapped._wires if t is not None]
     stale = wrapped._layout_stale
-    # The new wire buffers are made with torch.empty: count the old buffers still alive then.
+    # The new wire buffers are made with torch.zeros: count the old buffers still alive then.
     alive_at_alloc = []
-    real_empty = torch.empty
+    real_zeros = torch.zeros
 
     def spy(*args, **kwargs):
         alive_at_alloc.append(sum(r() is not None for r in old))
-        return real_empty(*args, **kwargs)
+        return real_zeros(*args, **kwargs)
 
-    torch.empty = spy
+    torch.zeros = spy
     try:
         out = wrapped(x)   # this forward rebuilds the buckets
     finally:
-        torch.empty = real_empty
+        torch.zeros = real_zeros
     out.square().mean().backward()
     return {"stale": stale, "old": len(old), "alive_at_alloc": alive_at_alloc,
             "alive": sum(r() is not None for r in old),

@@ -349,9 +349,14 @@ class DistributedModel(torch.nn.Module):
             code, dev, count, comm_code = reducer.bucket_info(b)
             device = torch.device("cpu") if dev < 0 else torch.device("cuda", dev)
             specs.append((count, _DTYPE_OF_CODE[code], device))
-            # The wire buffers stay: they are half the size of the buckets and reused each step.
-            wires.append(torch.empty(count, dtype=_DTYPE_OF_CODE[comm_code], device=device)
-                         if comm_code >= 0 else None)
+            # The wire buffers stay: they are half the size of the buckets and reused each step,
+            # and a fresh gradient is cast into its slot there from where autograd left it (its
+            # bucket then needs no memory). Zeroed once: the padding between slots stays zero.
+            wire = (torch.zeros(count, dtype=_DTYPE_OF_CODE[comm_code], device=device)
+                    if comm_code >= 0 else None)
+            if wire is not None:
+                reducer.set_bucket_wire(b, wire.data_ptr(), wire)
+            wires.append(wire)
         offsets, bucket_of = [], []
         self._shapes = [tuple(p.shape) for p in params]
         self._strides = [_contiguous_strides(p.shape) for p in params]
@@ -605,12 +610,15 @@ class DistributedModel(torch.nn.Module):
     def _finalize_on_device(self) -> None:
         reducer = self._reducer
         stream = self._stream()
-        for b, buf in enumerate(self._buckets):
-            if buf is None or self._parked[b]:
-                # No gradient of this bucket arrived on this rank, but every rank reduces every
-                # bucket: zeros, for the ranks that did use these parameters.
+        unready = reducer.unready()
+        for b in sorted({self._bucket_of[i] for i in unready}):
+            if self._buckets[b] is None or self._parked[b]:
+                # Some gradients of this bucket never arrived on this rank, but every rank
+                # reduces every bucket: zeros, for the ranks that did use these parameters.
+                # (A bucket whose gradients all went to the wire from where autograd left them
+                # needs no memory.)
                 self._allocate_bucket(b)
-        for i in reducer.unready():
+        for i in unready:
             p, view = self._params[i], self._views[i]
             g = p.grad
             if g is None:

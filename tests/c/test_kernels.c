@@ -1,6 +1,6 @@
 /* test_kernels.c: csrc/kernels.cu on a real GPU: ddpc_device_cast for every pair of float dtypes,
  * vectorized and scalar paths, odd lengths, in place, against the host conversion of reduce.c bit
- * for bit; ddpc_device_zero; and the argument checks. Prints "ok: ..." and exits 0 on success. */
+ * for bit; ddpc_device_cast_many; ddpc_device_zero; and the argument checks. Prints "ok: ..." and exits 0 on success. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -171,6 +171,65 @@ static void check_zero_and_args(void) {
     CUDA_OK(cudaFree(d));
 }
 
+/* ddpc_device_cast_many: 60 arrays (more than one launch's table) of lengths from 0 to past a
+ * block's chunk, bfloat16 <-> float32 both ways, each against the host conversion bit for bit,
+ * with the bytes between the arrays untouched; then the argument checks. */
+static void check_cast_many(ddpc_dtype dst_dt, ddpc_dtype src_dt) {
+    enum { N = 60 };
+    size_t ss = ddpc_dtype_size(src_dt), ds = ddpc_dtype_size(dst_dt);
+    size_t counts[N], at[N], total = 0;
+    for (int k = 0; k < N; k++) {
+        counts[k] = k == 7 ? 0 : (size_t)(k * k * 37 % 9001) + (k % 3 == 0 ? 4096 : 1);
+        at[k] = total;
+        total += counts[k] + 5; /* a gap the kernel must not write */
+    }
+    float *f = malloc(total * sizeof(float));
+    fill_f32(f, total, 7);
+    unsigned char *src = malloc(total * ss), *want = malloc(total * ds), *got = malloc(total * ds);
+    ddpc_convert_host(src, src_dt, f, DDPC_FLOAT32, total);
+    memset(want, 0x5A, total * ds);
+    for (int k = 0; k < N; k++)
+        reference(want + at[k] * ds, dst_dt, src + at[k] * ss, src_dt, counts[k], 1.0f);
+    unsigned char *d_src = NULL, *d_dst = NULL;
+    CUDA_OK(cudaMalloc((void **)&d_src, total * ss));
+    CUDA_OK(cudaMalloc((void **)&d_dst, total * ds));
+    CUDA_OK(cudaMemcpy(d_src, src, total * ss, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(d_dst, 0x5A, total * ds));
+    void *dsts[N];
+    const void *srcs[N];
+    for (int k = 0; k < N; k++) {
+        dsts[k] = d_dst + at[k] * ds;
+        srcs[k] = d_src + at[k] * ss;
+    }
+    EXPECT(ddpc_device_cast_many(N, dsts, dst_dt, srcs, src_dt, counts, 0) == DDPC_OK,
+           "cast_many %s -> %s: %s", ddpc_dtype_name(src_dt), ddpc_dtype_name(dst_dt),
+           ddpc_last_error());
+    CUDA_OK(cudaMemcpy(got, d_dst, total * ds, cudaMemcpyDeviceToHost));
+    size_t bad = 0, first = 0;
+    for (size_t i = 0; i < total * ds; i++)
+        if (got[i] != want[i] && bad++ == 0) first = i;
+    EXPECT(bad == 0, "cast_many %s -> %s: %zu wrong bytes, the first at byte %zu",
+           ddpc_dtype_name(src_dt), ddpc_dtype_name(dst_dt), bad, first);
+    /* an overlapping pair, a NULL array with elements, and integer dtypes are refused */
+    dsts[3] = (void *)srcs[3];
+    EXPECT(ddpc_device_cast_many(N, dsts, dst_dt, srcs, src_dt, counts, 0) == DDPC_ERR_INVALID &&
+               strstr(ddpc_last_error(), "overlap"), "an overlap was accepted: %s",
+           ddpc_last_error());
+    dsts[3] = NULL;
+    EXPECT(ddpc_device_cast_many(N, dsts, dst_dt, srcs, src_dt, counts, 0) == DDPC_ERR_INVALID,
+           "a NULL destination was accepted");
+    EXPECT(ddpc_device_cast_many(1, dsts, DDPC_INT32, srcs, src_dt, counts, 0) ==
+               DDPC_ERR_INVALID, "an integer destination was accepted");
+    EXPECT(ddpc_device_cast_many(0, NULL, dst_dt, NULL, src_dt, NULL, 0) == DDPC_OK,
+           "no arrays must be a no-op");
+    CUDA_OK(cudaFree(d_src));
+    CUDA_OK(cudaFree(d_dst));
+    free(f);
+    free(src);
+    free(want);
+    free(got);
+}
+
 int main(void) {
     int ndev = 0;
     if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
@@ -188,5 +247,8 @@ int main(void) {
                 }
     check_in_place();
     check_zero_and_args();
+    check_cast_many(DDPC_BFLOAT16, DDPC_FLOAT32);
+    check_cast_many(DDPC_FLOAT32, DDPC_BFLOAT16);
+    check_cast_many(DDPC_FLOAT16, DDPC_FLOAT64);
     return check_summary("test_kernels");
 }

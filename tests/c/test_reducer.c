@@ -48,6 +48,14 @@ ddpc_status ddpc_work_wait(DdpcWork *w) {
         } else if (w->args.dtype == DDPC_FLOAT64) {
             double *p = w->args.recv;
             for (size_t i = 0; i < w->args.count; i++) p[i] = (p[i] + 1.0) / 2.0;
+        } else if (w->args.dtype == DDPC_BFLOAT16) {
+            for (size_t i = 0; i < w->args.count; i++) {
+                uint16_t *e = (uint16_t *)w->args.recv + i;
+                float x;
+                ddpc_convert_host(&x, DDPC_FLOAT32, e, DDPC_BFLOAT16, 1);
+                x = (x + 1.0f) / 2.0f;
+                ddpc_convert_host(e, DDPC_BFLOAT16, &x, DDPC_FLOAT32, 1);
+            }
         }
     }
     return DDPC_OK;
@@ -73,6 +81,12 @@ ddpc_status ddpc_device_zero(void *p, size_t b, uintptr_t s) {
 ddpc_status ddpc_device_cast(void *d, ddpc_dtype dd, const void *s, ddpc_dtype sd, size_t n,
                              float sc, uintptr_t st) {
     (void)d; (void)dd; (void)s; (void)sd; (void)n; (void)sc; (void)st;
+    return ddpc_error(DDPC_ERR_UNAVAILABLE, "fake: no device");
+}
+
+ddpc_status ddpc_device_cast_many(int n, void *const *d, ddpc_dtype dd, const void *const *s,
+                                  ddpc_dtype sd, const size_t *c, uintptr_t st) {
+    (void)n; (void)d; (void)dd; (void)s; (void)sd; (void)c; (void)st;
     return ddpc_error(DDPC_ERR_UNAVAILABLE, "fake: no device");
 }
 
@@ -260,6 +274,101 @@ static void test_mark_ready_copy(void) {
     free(mem);
 }
 
+static float bf16_value(const uint16_t *e) {
+    float x;
+    ddpc_convert_host(&x, DDPC_FLOAT32, e, DDPC_BFLOAT16, 1);
+    return x;
+}
+
+/* A bucket reduced in bfloat16: fresh gradients go straight to the wire from where they lie and
+ * get the averaged values back there, without the bucket's memory; a bucket with a gradient that
+ * never arrived needs memory, which may still be given after others went to the wire. */
+static void test_mark_ready_grad_to_wire(void) {
+    size_t numels[3] = {3, 5, 2};
+    ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
+    int devs[3] = {-1, -1, -1};
+    int order[3] = {0, 1, 2};
+    DdpcReducer *r = NULL;
+    OK(ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 1000, 1000,
+                           DDPC_BFLOAT16, &r));
+    if (!r) return;
+    ddpc_dtype dt;
+    int dev, b, direct = -1;
+    size_t count, off[3];
+    OK(ddpc_reducer_bucket_info(r, 0, &dt, &dev, &count));
+    EXPECT(ddpc_reducer_num_buckets(r) == 1, "one bucket expected");
+    for (int i = 0; i < 3; i++) OK(ddpc_reducer_param_slot(r, i, &b, &off[i]));
+    uint16_t *wire = calloc(count, sizeof *wire);
+    float *mem = malloc(count * sizeof(float));
+    for (size_t k = 0; k < count; k++) mem[k] = -7.0f;
+    float g0[3] = {2, 2, 2}, g1[5] = {4, 4, 4, 4, 4}, g1b[5] = {6, 6, 6, 6, 6}, g2[2] = {8, 8};
+    EXPECT(ddpc_reducer_param_wired(r, 0) == 0, "wired before the wire was given");
+    OK(ddpc_reducer_set_bucket_wire(r, 0, wire));
+    EXPECT(ddpc_reducer_param_wired(r, 0) == 1, "not wired after the wire was given");
+
+    /* step 1: the bucket has no memory (released, as the wrapper starts a bucket whose
+     * gradients are None); two gradients go to the wire, the third never comes */
+    OK(ddpc_reducer_release_bucket(r, 0));
+    OK(ddpc_reducer_prepare(r));
+    EXPECT(ddpc_reducer_mark_ready(r, 0, 0) == DDPC_ERR_INVALID, "in-slot mark without memory");
+    EXPECT(ddpc_reducer_mark_ready_grad(r, 0, NULL, 0, &direct) == DDPC_ERR_INVALID,
+           "NULL source");
+    OK(ddpc_reducer_mark_ready_grad(r, 0, g0, 0, &direct));
+    EXPECT(direct == 1, "direct %d", direct);
+    EXPECT(bf16_value(&wire[off[0]]) == 2.0f, "wire slot 0 = %g", (double)bf16_value(&wire[off[0]]));
+    OK(ddpc_reducer_mark_ready_grad(r, 1, g1, 0, &direct));
+    /* the same gradient again (accumulated twice) before the launch: the newest is sent */
+    OK(ddpc_reducer_mark_ready_grad(r, 1, g1b, 0, &direct));
+    EXPECT(bf16_value(&wire[off[1] + 4]) == 6.0f, "wire slot 1 holds the first gradient");
+    EXPECT(g_nlog == 0, "launched before the bucket was complete");
+    EXPECT(ddpc_reducer_set_bucket_memory(r, 0, mem, wire + 1) == DDPC_ERR_INVALID,
+           "the wire changed after gradients were cast into it");
+    EXPECT(ddpc_reducer_finalize(r, 0, NULL) == DDPC_ERR_INVALID &&
+               strstr(ddpc_last_error(), "has no memory"),
+           "finalize without memory for the missing gradient: %s", ddpc_last_error());
+    OK(ddpc_reducer_set_bucket_memory(r, 0, mem, wire));
+    int unused = -1;
+    OK(ddpc_reducer_finalize(r, 0, &unused));
+    EXPECT(unused == 1, "unused %d", unused);
+    EXPECT(g_nlog == 1 && g_log[0]->args.recv == wire && g_log[0]->args.dtype == DDPC_BFLOAT16,
+           "one bfloat16 all-reduce of the wire expected");
+    for (int k = 0; k < 3; k++) EXPECT(g0[k] == 1.5f, "g0[%d] = %g", k, (double)g0[k]);
+    for (int k = 0; k < 5; k++) EXPECT(g1b[k] == 3.5f, "g1b[%d] = %g", k, (double)g1b[k]);
+    EXPECT(g1[0] == 4.0f, "the superseded gradient was written");
+    for (int k = 0; k < 2; k++)
+        EXPECT(mem[off[2] + k] == 0.5f, "unused slot [%d] = %g", k, (double)mem[off[2] + k]);
+    clear_log();
+
+    /* step 2: every gradient to the wire; the bucket released: no memory needed at all */
+    OK(ddpc_reducer_release_bucket(r, 0));
+    OK(ddpc_reducer_prepare(r));
+    OK(ddpc_reducer_mark_ready_grad(r, 2, g2, 0, &direct));
+    OK(ddpc_reducer_mark_ready_grad(r, 0, g0, 0, &direct));
+    OK(ddpc_reducer_mark_ready_grad(r, 1, g1b, 0, &direct));
+    EXPECT(g_nlog == 1, "%d collectives after the bucket was complete", g_nlog);
+    OK(ddpc_reducer_finalize(r, 0, &unused));
+    EXPECT(unused == 0, "unused %d", unused);
+    EXPECT(g0[0] == 1.25f && g1b[0] == 2.25f && g2[0] == 4.5f, "averaged: %g %g %g",
+           (double)g0[0], (double)g1b[0], (double)g2[0]);
+    clear_log();
+
+    /* step 3: a bucket with memory, one gradient in its slot and one to the wire */
+    OK(ddpc_reducer_set_bucket_memory(r, 0, mem, wire));
+    OK(ddpc_reducer_prepare(r));
+    for (int k = 0; k < 3; k++) mem[off[0] + k] = 10.0f;
+    OK(ddpc_reducer_mark_ready(r, 0, 0));
+    OK(ddpc_reducer_mark_ready_grad(r, 1, g1, 0, &direct));
+    OK(ddpc_reducer_mark_ready_copy(r, 2, g2, 0));
+    OK(ddpc_reducer_finalize(r, 0, &unused));
+    EXPECT(mem[off[0]] == 5.5f && g1[0] == 2.5f && mem[off[2]] == 2.75f,
+           "mixed: slot %g, wire %g, copied %g", (double)mem[off[0]], (double)g1[0],
+           (double)mem[off[2]]);
+    clear_log();
+    ddpc_reducer_destroy(r);
+    free(mem);
+    free(wire);
+}
+
 static void test_bad_arguments(void) {
     size_t numels[2] = {4, 4};
     ddpc_dtype dts[2] = {DDPC_FLOAT32, DDPC_INT64};
@@ -296,6 +405,7 @@ int main(void) {
     test_assignment_and_launch_order();
     test_order_late_dtypes();
     test_mark_ready_copy();
+    test_mark_ready_grad_to_wire();
     test_bad_arguments();
     clear_log();
     return check_summary("test_reducer");
