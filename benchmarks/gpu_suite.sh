@@ -6,7 +6,8 @@
 # $OUT/suite.log as the stage ends, so one file holds everything even when the call is cut short.
 # Each stage has its own time limit and the script goes on after a failing stage, so one run
 # yields every result it can. STAGES="name ..." runs only the named stages (build always runs);
-# EXTRA="cmd" runs one more shell command as the stage "extra" at the end (whatever STAGES says).
+# EXTRA="cmd" runs one more shell command as the stage "extra" at the end (whatever STAGES says);
+# DDP_ARGS="..." are added to every ddp_step.py command.
 set -u
 OUT=${OUT:-$PWD/gpu_out}
 LOGS=${LOGS:-${TMPDIR:-/tmp}/ddpc_gpu_logs}
@@ -32,14 +33,14 @@ NGPU=$(nvidia-smi -L | grep -c '^GPU')
 stage build 150 $PY -m pip install --no-build-isolation --no-deps -e .
 TAIL=6 stage gpu_tests 360 $PY -m pytest -m gpu -q -ra tests/test_gpu.py tests/test_gpu_wrap_model.py
 if [ "$NGPU" -ge 2 ]; then
-    stage ddp_nvlink 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30
+    stage ddp_nvlink 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30 ${DDP_ARGS:-}
     NCCL_P2P_DISABLE=1 stage ddp_nop2p 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 \
-        --steps 30 --p2p off
+        --steps 30 --p2p off ${DDP_ARGS:-}
     # The staged all-reduce with each call waiting for the one before (NCCL's own copy-engine
     # SHM mode, NCCL_SHM_USE_CUDA_MEMCPY=1, printed nothing in 120 s here).
     NCCL_P2P_DISABLE=1 DDPC_STAGED_OVERLAP=0 stage ddp_nop2p_serial 120 \
         $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30 --p2p off \
-        --variants "1 process (no DDP),torch DDP,ddpc,ddpc grad_dtype=bf16"
+        --variants "1 process (no DDP),torch DDP,ddpc,ddpc grad_dtype=bf16" ${DDP_ARGS:-}
     stage latency 90 $PY benchmarks/latency.py --nproc 2 --iters 1000 --max-bytes 1048576
     stage collectives 120 $PY benchmarks/collectives.py --backend nccl --nproc 2 --min-bytes 1024 \
         --max-bytes 1073741824
@@ -48,7 +49,7 @@ if [ "$NGPU" -ge 2 ]; then
 else
     # One GPU: no scaling to measure; what each wrapper costs a step with no peer to wait for,
     # where that host time goes, and the README's main job on the GPU.
-    stage ddp_1gpu 150 $PY benchmarks/ddp_step.py --device cuda --nproc 1 --steps 100
+    stage ddp_1gpu 150 $PY benchmarks/ddp_step.py --device cuda --nproc 1 --steps 100 ${DDP_ARGS:-}
     TAIL=40 stage host_1gpu 150 $PY benchmarks/host_phases.py --nproc 1
     TAIL=12 stage main_job 120 $PY -m ddpc.launch --nproc-per-node 1 examples/finetune.py
     stage latency 60 $PY benchmarks/latency.py --nproc 1 --iters 1000 --max-bytes 1048576
