@@ -6,7 +6,11 @@ bucket while backward continues. The end of backward zeroes what never arrived (
 parameters), reduces the rest and waits, so every rank's optimizer sees the same averaged
 gradients. A bucket whose gradients were all set to None (zero_grad(set_to_none=True)) is freed
 at the next forward and allocated again when its first gradient arrives, so, as in single-process
-training, gradient memory does not sit beside the activations. See DESIGN.md, "One step of DDP".
+training, gradient memory does not sit beside the activations. With a reduced-precision wire
+(grad_dtype=torch.bfloat16) a freshly computed gradient is not copied into its bucket at all: the
+C hook casts it from where autograd left it into its slot of the bucket's wire buffer, and the end
+of backward writes the averaged values back into it, so its float32 bucket never needs memory.
+See DESIGN.md, "One step of DDP".
 """
 from __future__ import annotations
 
