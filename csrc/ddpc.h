@@ -300,8 +300,11 @@ ddpc_status ddpc_reducer_mark_ready_grad(DdpcReducer *r, int i, const void *src,
 /* 1 when parameter i's bucket is reduced in another dtype and has its wire buffer, so
  * ddpc_reducer_mark_ready_grad takes gradients without the bucket's memory. */
 int ddpc_reducer_param_wired(DdpcReducer *r, int i);
-/* Gives bucket b its wire buffer (comm dtype elements, count of them) for the reducer's life;
- * set_bucket_memory may give it too. Not while the bucket is in use. */
+/* 1 when parameter i's bucket is reduced in another dtype and has no wire buffer now. */
+int ddpc_reducer_param_needs_wire(DdpcReducer *r, int i);
+/* Gives bucket b its wire buffer (count elements of the comm dtype), or takes it back (NULL);
+ * set_bucket_memory may give it too. A wire bucket needs it from its first gradient of a step
+ * to the end of finalize, and it may not change while the bucket is in use. */
 ddpc_status ddpc_reducer_set_bucket_wire(DdpcReducer *r, int b, void *comm_buf);
 /* 1 when parameter i's bucket has memory (it was given some and not released since). */
 int ddpc_reducer_param_has_memory(DdpcReducer *r, int i);

@@ -1178,6 +1178,7 @@ typedef struct {
     PyObject *names;        /* list of parameter names, for messages */
     PyObject *slow;         /* callable(param, index) */
     PyObject *current_stream; /* callable(device) -> the current stream's handle, or NULL */
+    PyObject *need_wire;    /* callable(index): gives parameter index's bucket its wire buffer */
     int device;             /* the CUDA device of the parameters, -1 on the host */
     unsigned long long stream;
     char fast;              /* a synced backward is running and its end is queued */
@@ -1202,6 +1203,7 @@ static int GradHooks_traverse(GradHooksObject *self, visitproc visit, void *arg)
     Py_VISIT(self->names);
     Py_VISIT(self->slow);
     Py_VISIT(self->current_stream);
+    Py_VISIT(self->need_wire);
     Py_VISIT(Py_TYPE(self));
     return 0;
 }
@@ -1212,6 +1214,7 @@ static int GradHooks_clear(GradHooksObject *self) {
     Py_CLEAR(self->names);
     Py_CLEAR(self->slow);
     Py_CLEAR(self->current_stream);
+    Py_CLEAR(self->need_wire);
     return 0;
 }
 
@@ -1241,6 +1244,26 @@ static PyObject *GradHooks_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
     self->device = -1;
     self->to_wire = 1;
     return (PyObject *)self;
+}
+
+static PyObject *GradHooks_get_need_wire(GradHooksObject *self, void *c) {
+    (void)c;
+    PyObject *v = self->need_wire ? self->need_wire : Py_None;
+    Py_INCREF(v);
+    return v;
+}
+
+static int GradHooks_set_need_wire(GradHooksObject *self, PyObject *v, void *c) {
+    (void)c;
+    if (v && v != Py_None && !PyCallable_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "GradHooks.need_wire must be callable or None");
+        return -1;
+    }
+    PyObject *old = self->need_wire;
+    self->need_wire = v && v != Py_None ? v : NULL;
+    Py_XINCREF(self->need_wire);
+    Py_XDECREF(old);
+    return 0;
 }
 
 static PyObject *GradHooks_get_current_stream(GradHooksObject *self, void *c) {
@@ -1305,6 +1328,9 @@ static int GradHooks_set_views(GradHooksObject *self, PyObject *v, void *c) {
 static PyGetSetDef GradHooks_getset[] = {
     {"reducer", (getter)GradHooks_get_reducer, (setter)GradHooks_set_reducer, NULL, NULL},
     {"views", (getter)GradHooks_get_views, (setter)GradHooks_set_views, NULL, NULL},
+    {"need_wire", (getter)GradHooks_get_need_wire, (setter)GradHooks_set_need_wire, NULL,
+     "callable(index) that gives parameter index's bucket its wire buffer (made for each step "
+     "when the bucket's first gradient arrives), or None"},
     {"current_stream", (getter)GradHooks_get_current_stream,
      (setter)GradHooks_set_current_stream, NULL,
      "callable(device) -> the handle of the current CUDA stream (None: use `stream`)"},
@@ -1474,8 +1500,23 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
                          r->nparams);
             goto done;
         }
-        /* A fresh gradient of a bucket that goes over the wire in another dtype is cast there
-         * from where it lies: it needs no slot. */
+        /* A bucket that goes over the wire in another dtype gets its wire buffer when its first
+         * gradient of the step arrives (the wrapper drops it after the step). */
+        if (grad != Py_None && ddpc_reducer_param_needs_wire(r->r, (int)i)) {
+            if (!h->need_wire) {
+                handled = 0;
+                goto done;
+            }
+            PyObject *idx = PyLong_FromSsize_t(i);
+            if (!idx) goto done;
+            PyObject *res = PyObject_CallOneArg(h->need_wire, idx);
+            Py_DECREF(idx);
+            if (!res) goto done;
+            Py_DECREF(res);
+            if (!reducer_ready(r)) goto done; /* (Python ran: see below) */
+        }
+        /* A fresh gradient of such a bucket is cast to the wire from where it lies: it needs no
+         * slot. */
         int wired = h->to_wire && grad != Py_None && grad != view &&
                     ddpc_reducer_param_wired(r->r, (int)i);
         if (grad == Py_None || (!wired && (!view || view == Py_None ||

@@ -353,10 +353,6 @@ ddpc_status ddpc_reducer_set_bucket_memory(DdpcReducer *r, int b, void *buf, voi
     if (bk->count && !buf)
         return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d holds %zu elements but its buffer "
                           "is NULL", b, bk->count);
-    if (bk->count && bk->comm_dtype >= 0 && !comm_buf)
-        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d is reduced in %s and needs a "
-                          "second buffer of %zu elements of that dtype, got NULL", b,
-                          ddpc_dtype_name((ddpc_dtype)bk->comm_dtype), bk->count);
     pthread_mutex_lock(&r->mu);
     ddpc_status st = check_bucket_idle(r, b);
     if (st == DDPC_OK && bk->comm_dtype >= 0 && bk->comm_buf && comm_buf != bk->comm_buf &&
@@ -365,7 +361,7 @@ ddpc_status ddpc_reducer_set_bucket_memory(DdpcReducer *r, int b, void *buf, voi
                         "gradients were cast into it in this backward pass", b);
     if (st == DDPC_OK) {
         bk->buf = buf;
-        bk->comm_buf = bk->comm_dtype >= 0 ? comm_buf : NULL;
+        if (comm_buf && bk->comm_dtype >= 0) bk->comm_buf = comm_buf; /* (NULL: keep the wire) */
         bk->released = 0;
     }
     pthread_mutex_unlock(&r->mu);
@@ -378,9 +374,6 @@ ddpc_status ddpc_reducer_set_bucket_wire(DdpcReducer *r, int b, void *comm_buf) 
     if (bk->comm_dtype < 0)
         return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d is reduced in its own dtype and "
                           "has no wire buffer", b);
-    if (bk->count && !comm_buf)
-        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d's wire buffer of %zu elements is "
-                          "NULL", b, bk->count);
     pthread_mutex_lock(&r->mu);
     ddpc_status st = DDPC_OK;
     if (bk->work || (r->step_active && (bk->launched || bk->ndirect > 0)))
@@ -403,6 +396,18 @@ ddpc_status ddpc_reducer_release_bucket(DdpcReducer *r, int b) {
     }
     pthread_mutex_unlock(&r->mu);
     return st;
+}
+
+/* A bucket reduced in another dtype whose wire buffer was not given (or taken back). Called with
+ * r->mu held. */
+static ddpc_status check_has_wire(const DdpcReducer *r, int b) {
+    const Bucket *bk = &r->buckets[b];
+    if (bk->count && bk->comm_dtype >= 0 && !bk->comm_buf)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d is reduced in %s but has no wire "
+                          "buffer: call set_bucket_wire before its gradients are marked ready or "
+                          "the step is finalized", b,
+                          ddpc_dtype_name((ddpc_dtype)bk->comm_dtype));
+    return DDPC_OK;
 }
 
 /* A bucket that the caller released and has not given memory again. Called with r->mu held. */
@@ -562,6 +567,8 @@ static ddpc_status mark_ready(DdpcReducer *r, int i, uintptr_t stream, const voi
     if (!r->step_active) {
         st = ddpc_error(DDPC_ERR_INVALID, "reducer: parameter %d was marked ready outside a step "
                         "(prepare was not called, or finalize already ran)", i);
+    } else if (bk->count && bk->comm_dtype >= 0 && !bk->comm_buf) {
+        st = check_has_wire(r, r->param_bucket[i]);
     } else if (!to_wire && bk->count && !bk->buf) {
         st = check_has_memory(r, r->param_bucket[i]);
     } else if (r->ready[i]) {
@@ -619,6 +626,15 @@ ddpc_status ddpc_reducer_mark_ready_grad(DdpcReducer *r, int i, const void *src,
         return ddpc_error(DDPC_ERR_INVALID, "reducer: mark_ready_grad of parameter %d: NULL "
                           "%s", i, !src ? "source" : "result pointer");
     return mark_ready(r, i, stream, src, 2, direct);
+}
+
+int ddpc_reducer_param_needs_wire(DdpcReducer *r, int i) {
+    if (i < 0 || i >= r->nparams) return 0;
+    pthread_mutex_lock(&r->mu);
+    const Bucket *bk = &r->buckets[r->param_bucket[i]];
+    int yes = bk->count && bk->comm_dtype >= 0 && !bk->comm_buf;
+    pthread_mutex_unlock(&r->mu);
+    return yes;
 }
 
 int ddpc_reducer_param_wired(DdpcReducer *r, int i) {
@@ -738,9 +754,11 @@ ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused)
     }
     /* Every bucket still to launch must have memory before any is zeroed or launched, so that a
      * failure leaves no rank with a partial set of collectives posted by this call. */
-    for (int b = r->next_launch; b < r->nbuckets; b++)
+    for (int b = r->next_launch; b < r->nbuckets; b++) {
         if (r->buckets[b].ndirect < r->buckets[b].nparams)
             DDPC_CHECK_GOTO(check_has_memory(r, b), st, out);
+        DDPC_CHECK_GOTO(check_has_wire(r, b), st, out);
+    }
     for (int b = r->next_launch; b < r->nbuckets; b++)
         if (r->buckets[b].pending > 0)
             DDPC_CHECK_GOTO(zero_unready(r, &r->buckets[b], stream, &nunused), st, out);

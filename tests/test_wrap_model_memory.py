@@ -206,37 +206,41 @@ def sc_lazy(rank):
 
 
 def sc_rebuild_none(rank):
-    """The usual loop (zero_grad(set_to_none=True), bfloat16 reduction): at the forward that
-    applies the first step's layout, the old buckets and wire buffers must be gone before the
-    new ones are made; nothing else (the gradient hooks, the closed reducer) may keep them."""
+    """The usual loop (zero_grad(set_to_none=True), bfloat16 reduction): each bucket's wire
+    buffer is made when its first gradient of the step arrives and is gone once backward has
+    returned (nothing, neither the reducer nor the hooks, keeps it), in the first step, whose
+    layout the next forward replaces, and in the steps after it; the gradients go straight to
+    the wire, so the float32 buckets never get memory."""
     import ddpc
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     wrapped = ddpc.wrap_model(model, grad_dtype=torch.bfloat16)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
-    wrapped(x).square().mean().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    old = [weakref.ref(t) for t in wrapped._buckets + wrapped._wires if t is not None]
-    stale = wrapped._layout_stale
-    # The new wire buffers are made with torch.zeros: count the old buffers still alive then.
-    alive_at_alloc = []
-    real_zeros = torch.zeros
+    made = []
+    real = wrapped._need_wire
 
-    def spy(*args, **kwargs):
-        alive_at_alloc.append(sum(r() is not None for r in old))
-        return real_zeros(*args, **kwargs)
+    def spy(b):
+        real(b)
+        w = wrapped._wires[b]
+        if w is not None and not any(r() is w for r in made):
+            made.append(weakref.ref(w))
 
-    torch.zeros = spy
-    try:
-        out = wrapped(x)   # this forward rebuilds the buckets
-    finally:
-        torch.zeros = real_zeros
-    out.square().mean().backward()
-    return {"stale": stale, "old": len(old), "alive_at_alloc": alive_at_alloc,
-            "alive": sum(r() is not None for r in old),
-            "same_grads": all(p.grad is not None for p in model.parameters())}
+    wrapped._need_wire = spy  # (the hooks look the method up on the wrapper at each call)
+    out = {"made": [], "buckets": [], "alive": [], "stale": []}
+    for step in range(3):
+        before = len(made)
+        wrapped(x).square().mean().backward()
+        out["made"].append(len(made) - before)
+        out["buckets"].append(wrapped._reducer.num_buckets)
+        out["alive"].append(sum(r() is not None for r in made))
+        out["stale"].append(wrapped._layout_stale)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["bucket_memory"] = any(b is not None and not wrapped._parked[k]
+                               for k, b in enumerate(wrapped._buckets))
+    out["same_grads"] = all(p.grad is None for p in model.parameters())
+    return out
 
 
 def sc_unused_counts(rank):
@@ -343,12 +347,13 @@ def test_first_step_rebuild_releases_the_old_buckets(runs):
         assert not r["released_2"], r  # and after that the buckets stay
 
 
-def test_rebuild_after_set_to_none_keeps_no_old_buffers(runs):
+def test_wire_buffers_live_only_while_their_step_runs(runs):
     for r in result(runs, "rebuild_none"):
-        assert r["stale"] and r["old"] > 0, r  # a rebuild was due, with buffers to free
-        assert r["alive_at_alloc"] and max(r["alive_at_alloc"]) == 0, r
-        assert r["alive"] == 0, r
-        assert r["same_grads"], r
+        assert r["stale"][0], r  # the first step's layout was replaced at the next forward
+        assert r["made"] == r["buckets"] and all(n > 0 for n in r["made"]), r  # one per bucket
+        assert r["alive"] == [0, 0, 0], r
+        assert not r["bucket_memory"], r
+        assert r["same_grads"], r  # (zero_grad set them to None)
 
 
 def test_attached_but_unused_parameters_count_as_unused(runs):

@@ -301,6 +301,7 @@ class DistributedModel(torch.nn.Module):
             self._grad_hooks.current_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
                                                       None)
             self._grad_hooks.device = self._device.index
+        self._grad_hooks.need_wire = self._make_need_wire(weakref.ref(self))
         self._sync_hooks()
         handles = [p.register_post_accumulate_grad_hook(_C.GradHook(self._grad_hooks, i))
                    for i, p in enumerate(self._params)]
@@ -353,14 +354,11 @@ class DistributedModel(torch.nn.Module):
             code, dev, count, comm_code = reducer.bucket_info(b)
             device = torch.device("cpu") if dev < 0 else torch.device("cuda", dev)
             specs.append((count, _DTYPE_OF_CODE[code], device))
-            # The wire buffers stay: they are half the size of the buckets and reused each step,
-            # and a fresh gradient is cast into its slot there from where autograd left it (its
-            # bucket then needs no memory). Zeroed once: the padding between slots stays zero.
-            wire = (torch.zeros(count, dtype=_DTYPE_OF_CODE[comm_code], device=device)
-                    if comm_code >= 0 else None)
-            if wire is not None:
-                reducer.set_bucket_wire(b, wire.data_ptr(), wire)
-            wires.append(wire)
+            # A bucket reduced in another dtype gets its wire buffer when its first gradient of
+            # a step arrives, and gives it back at the end of the step (_need_wire,
+            # _drop_wires): at the start of backward, where memory peaks, only the buckets
+            # already complete hold one.
+            wires.append(_DTYPE_OF_CODE[comm_code] if comm_code >= 0 else None)
         offsets, bucket_of = [], []
         self._shapes = [tuple(p.shape) for p in params]
         self._strides = [_contiguous_strides(p.shape) for p in params]
@@ -371,7 +369,8 @@ class DistributedModel(torch.nn.Module):
             bucket_of.append(b)
             members[b].append(i)
         old = self._reducer
-        self._reducer, self._bucket_specs, self._wires = reducer, specs, wires
+        self._reducer, self._bucket_specs, self._wire_dtypes = reducer, specs, wires
+        self._wires = [None] * len(specs)
         self._offsets, self._bucket_of, self._members = offsets, bucket_of, members
         self._buckets = [None] * len(specs)
         self._parked = [False] * len(specs)
@@ -401,14 +400,12 @@ class DistributedModel(torch.nn.Module):
         is read). A parked bucket gets its storage back, under the views it kept; otherwise the
         views are made. Leaves param.grad alone."""
         count, dtype, device = self._bucket_specs[b]
-        wire = self._wires[b]
         if grad is None and self._parked[b]:
             buf = self._buckets[b]
             buf.untyped_storage().resize_(count * buf.element_size())
             if zero:
                 buf.zero_()
-            self._reducer.set_bucket_memory(b, buf.data_ptr(),
-                                            0 if wire is None else wire.data_ptr(), (buf, wire))
+            self._reducer.set_bucket_memory(b, buf.data_ptr(), 0, buf)
             self._parked[b] = False
             self._bucket_ptrs[b] = buf.data_ptr()
             return
@@ -418,8 +415,7 @@ class DistributedModel(torch.nn.Module):
             buf = torch.zeros(count, dtype=dtype, device=device)
         else:
             buf = torch.empty(count, dtype=dtype, device=device)
-        self._reducer.set_bucket_memory(b, buf.data_ptr(), 0 if wire is None else wire.data_ptr(),
-                                        (buf, wire))
+        self._reducer.set_bucket_memory(b, buf.data_ptr(), 0, buf)
         self._parked[b] = False
         self._buckets[b] = buf
         self._bucket_ptrs[b] = buf.data_ptr()
@@ -432,6 +428,27 @@ class DistributedModel(torch.nn.Module):
         shapes, strides, offsets = self._shapes, self._strides, self._offsets
         for i in self._members[b]:
             self._views[i] = buf.as_strided(shapes[i], strides[i], offsets[i])
+
+    def _need_wire(self, b: int) -> None:
+        """Gives bucket b its wire buffer for this step, if it is reduced in another dtype and
+        has none. Uninitialized: every slot is written before the collective reads it (the
+        padding between slots is never read back)."""
+        dtype = self._wire_dtypes[b]
+        if dtype is None or self._wires[b] is not None:
+            return
+        count, _, device = self._bucket_specs[b]
+        wire = torch.empty(count, dtype=dtype, device=device)
+        self._reducer.set_bucket_wire(b, wire.data_ptr(), wire)
+        self._wires[b] = wire
+
+    def _drop_wires(self) -> None:
+        """After the step's finalize: the wire buffers go back to the allocator. Their last
+        readers (the casts back) are queued on the stream that finalize ran on, behind its wait
+        for the collectives, so later work there that reuses the memory runs after them."""
+        for b, wire in enumerate(self._wires):
+            if wire is not None:
+                self._reducer.set_bucket_wire(b, 0, None)
+                self._wires[b] = None
 
     def _release_bucket(self, b: int) -> None:
         """Frees bucket b (its parameters' gradients are all None). When the bucket and its
@@ -504,6 +521,14 @@ class DistributedModel(torch.nn.Module):
         h.fast = fast
 
     @staticmethod
+    def _make_need_wire(ref: Any) -> Any:
+        def need_wire(i: int) -> None:
+            model = ref()
+            if model is not None:
+                model._need_wire(model._bucket_of[i])
+        return need_wire
+
+    @staticmethod
     def _make_slow_hook(ref: Any) -> Any:
         def hook(p: torch.Tensor, i: int) -> None:
             model = ref()
@@ -529,6 +554,7 @@ class DistributedModel(torch.nn.Module):
                 # The stream autograd runs this gradient's hook on (as the C hooks do): the
                 # copy above ran there too.
                 stream = dist._raw_stream(model._device.index) if model._is_cuda[i] else 0
+                model._need_wire(model._bucket_of[i])
                 try:
                     model._reducer.mark_ready(i, stream)
                 except ValueError as e:
@@ -614,6 +640,8 @@ class DistributedModel(torch.nn.Module):
     def _finalize_on_device(self) -> None:
         reducer = self._reducer
         stream = self._stream()
+        for b in range(len(self._wires)):
+            self._need_wire(b)  # (a bucket none of whose gradients arrived on this rank)
         unready = reducer.unready()
         for b in sorted({self._bucket_of[i] for i in unready}):
             if self._buckets[b] is None or self._parked[b]:
@@ -635,6 +663,7 @@ class DistributedModel(torch.nn.Module):
                 p.grad = view
             reducer.mark_ready(i, stream)
         reducer.finalize(stream)
+        self._drop_wires()
         if self._rebuild_pending:
             self._rebuild_pending = False
             self._plan_layout_from_observed_order()

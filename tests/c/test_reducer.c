@@ -303,8 +303,23 @@ static void test_mark_ready_grad_to_wire(void) {
     for (size_t k = 0; k < count; k++) mem[k] = -7.0f;
     float g0[3] = {2, 2, 2}, g1[5] = {4, 4, 4, 4, 4}, g1b[5] = {6, 6, 6, 6, 6}, g2[2] = {8, 8};
     EXPECT(ddpc_reducer_param_wired(r, 0) == 0, "wired before the wire was given");
+    EXPECT(ddpc_reducer_param_needs_wire(r, 0) == 1, "no wire, yet none needed");
+    /* without a wire buffer nothing can be marked, or finalized */
+    OK(ddpc_reducer_set_bucket_memory(r, 0, mem, NULL));
+    OK(ddpc_reducer_prepare(r));
+    EXPECT(ddpc_reducer_mark_ready(r, 0, 0) == DDPC_ERR_INVALID &&
+               strstr(ddpc_last_error(), "no wire buffer"),
+           "marked without a wire: %s", ddpc_last_error());
+    EXPECT(ddpc_reducer_mark_ready_grad(r, 0, g0, 0, &direct) == DDPC_ERR_INVALID,
+           "marked to the wire without one");
+    EXPECT(ddpc_reducer_finalize(r, 0, NULL) == DDPC_ERR_INVALID &&
+               strstr(ddpc_last_error(), "no wire buffer"),
+           "finalized without a wire: %s", ddpc_last_error());
     OK(ddpc_reducer_set_bucket_wire(r, 0, wire));
     EXPECT(ddpc_reducer_param_wired(r, 0) == 1, "not wired after the wire was given");
+    EXPECT(ddpc_reducer_param_needs_wire(r, 0) == 0, "a wire is needed although given");
+    OK(ddpc_reducer_finalize(r, 0, NULL));
+    clear_log();
 
     /* step 1: the bucket has no memory (released, as the wrapper starts a bucket whose
      * gradients are None); two gradients go to the wire, the third never comes */
@@ -364,6 +379,10 @@ static void test_mark_ready_grad_to_wire(void) {
            "mixed: slot %g, wire %g, copied %g", (double)mem[off[0]], (double)g1[0],
            (double)mem[off[2]]);
     clear_log();
+    /* the wire goes back after the step, and set_bucket_memory without one keeps none */
+    OK(ddpc_reducer_set_bucket_wire(r, 0, NULL));
+    OK(ddpc_reducer_set_bucket_memory(r, 0, mem, NULL));
+    EXPECT(ddpc_reducer_param_needs_wire(r, 0) == 1, "the wire was not taken back");
     ddpc_reducer_destroy(r);
     free(mem);
     free(wire);
