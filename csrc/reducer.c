@@ -19,7 +19,7 @@ typedef struct Bucket {
     int first;          /* its parameters are r->bucket_params[first .. first + nparams) */
     int nparams;
     void *buf;          /* caller's memory; NULL until given, and while released */
-    void *comm_buf;     /* the wire buffer (comm_dtype >= 0); kept while the bucket is released */
+    void *comm_buf;     /* the wire buffer (comm_dtype >= 0), while the caller gives one */
     int released;       /* the caller took its memory back until the bucket's gradients arrive */
     int pending;        /* parameters not yet ready this step */
     int ndirect;        /* of them, how many went straight to the wire (see mark_ready_grad) */
@@ -391,7 +391,7 @@ ddpc_status ddpc_reducer_release_bucket(DdpcReducer *r, int b) {
     pthread_mutex_lock(&r->mu);
     ddpc_status st = check_bucket_idle(r, b);
     if (st == DDPC_OK) {
-        bk->buf = NULL; /* (the wire buffer stays: it is the caller's for the reducer's life) */
+        bk->buf = NULL; /* (the wire buffer is given and taken back by set_bucket_wire) */
         bk->released = 1;
     }
     pthread_mutex_unlock(&r->mu);
