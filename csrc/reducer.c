@@ -355,8 +355,9 @@ ddpc_status ddpc_reducer_set_bucket_memory(DdpcReducer *r, int b, void *buf, voi
                           "is NULL", b, bk->count);
     pthread_mutex_lock(&r->mu);
     ddpc_status st = check_bucket_idle(r, b);
-    if (st == DDPC_OK && bk->comm_dtype >= 0 && bk->comm_buf && comm_buf != bk->comm_buf &&
-        bk->ndirect > 0)
+    /* (NULL keeps the wire: only another buffer would change it) */
+    if (st == DDPC_OK && bk->comm_dtype >= 0 && bk->comm_buf && comm_buf &&
+        comm_buf != bk->comm_buf && bk->ndirect > 0)
         st = ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d's wire buffer cannot change after "
                         "gradients were cast into it in this backward pass", b);
     if (st == DDPC_OK) {

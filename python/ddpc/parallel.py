@@ -443,10 +443,15 @@ class DistributedModel(torch.nn.Module):
 
     def _drop_wires(self) -> None:
         """After the step's finalize: the wire buffers go back to the allocator. Their last
-        readers (the casts back) are queued on the stream that finalize ran on, behind its wait
-        for the collectives, so later work there that reuses the memory runs after them."""
+        readers (the casts back) are queued on the stream that finalize ran on (current here),
+        behind its wait for the collectives. A wire made on another stream (a gradient hook's
+        side stream) is recorded as used by this one, so the allocator does not hand its memory
+        out on its own stream before these casts are done."""
+        stream = torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
         for b, wire in enumerate(self._wires):
             if wire is not None:
+                if stream is not None:
+                    wire.record_stream(stream)
                 self._reducer.set_bucket_wire(b, 0, None)
                 self._wires[b] = None
 
