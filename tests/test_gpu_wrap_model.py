@@ -345,6 +345,72 @@ def sc_bf16(rank: int, dev: torch.device) -> Dict[str, Any]:
     return {"ratio": worst, "wire_codes": wire, "where": where}
 
 
+class Mixed(torch.nn.Module):
+    """For bf16 buckets that mix gradients cast to the wire from where autograd left them with
+    others: `b` is used on rank 0 only, `c` never, and the channels_last convolution's weight
+    gets a non-contiguous gradient that takes the Python path into its bucket slot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3)
+        self.conv.weight.data = self.conv.weight.data.contiguous(
+            memory_format=torch.channels_last)
+        self.a = torch.nn.Linear(4, 3)
+        self.b = torch.nn.Linear(4, 3)
+        self.c = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.tanh(self.conv(x).mean((2, 3)))
+        return self.a(h) + (self.b(h) if use_b else 0)
+
+
+def sc_bf16_mixed(rank: int, dev: torch.device) -> Dict[str, Any]:
+    """grad_dtype=bfloat16 with unused parameters (on every rank, and on rank 0 only) and a
+    gradient on the Python path, in one bucket and in small ones, zero_grad(set_to_none=True);
+    then the same with forward and backward on a side stream (the wire buffers are made on it
+    and given back after the end of backward, which runs on the default stream). Error against
+    the exact average in units of the bfloat16 bound, per step."""
+    import ddpc
+    out: Dict[str, Any] = {}
+    for name, cap, side in (("one_bucket", 25.0, False), ("small", SMALL, False),
+                            ("side_stream", SMALL, True)):
+        if side and dev.type != "cuda":
+            continue
+        torch.manual_seed(0)
+        model = Mixed().to(dev)
+        ref = copy.deepcopy(model)
+        wrapped = ddpc.wrap_model(model, grad_dtype=torch.bfloat16, bucket_cap_mb=cap)
+        stream = torch.cuda.Stream(dev) if side else None
+        ratios, c_zero = [], []
+        for step in range(4):
+            g = torch.Generator().manual_seed(70 + step)
+            xs = [torch.randn(B, 2, 6, 6, generator=g).to(dev) for _ in range(WORLD)]
+            per_rank = [local_grads(ref, lambda m, r=r: m(xs[r], r == 0).square().mean())
+                        for r in range(WORLD)]
+            model.zero_grad(set_to_none=True)
+            if side:
+                stream.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(2_000_000)  # the side stream lags: a missing wait shows
+                    loss = wrapped(xs[rank], rank == 0).square().mean()
+                loss.backward()  # from the default stream, as sc_side_stream's "mixed" case
+                torch.cuda.current_stream(dev).wait_stream(stream)
+            else:
+                wrapped(xs[rank], rank == 0).square().mean().backward()
+            ratio = 0.0
+            for k, p in enumerate(model.parameters()):
+                exact = sum(gr[k].double() for gr in per_rank) / WORLD
+                scale = sum(gr[k].double().abs() for gr in per_rank) / WORLD
+                e = (p.grad.double() - exact).abs()
+                ratio = max(ratio, (e / (2.0 ** -6 * scale + 1e-30)).max().item())
+            ratios.append(ratio)
+            c_zero.append(all(not p.grad.any().item() for p in model.c.parameters()))
+        out[name] = {"ratio": ratios, "c_zero": c_zero}
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return out
+
+
 def sc_amp(rank: int, dev: torch.device) -> Dict[str, Any]:
     """Buffers (BatchNorm statistics and a plain buffer) follow rank 0; autocast + GradScaler +
     clip_grad_norm_ leave every rank with the same norms and parameters."""
@@ -477,6 +543,7 @@ SCENARIOS = [
     ("branches", sc_branches),
     ("no_sync", sc_no_sync),
     ("bf16", sc_bf16),
+    ("bf16_mixed", sc_bf16_mixed),
     ("amp", sc_amp),
     ("memory", sc_memory),
     ("side_stream", sc_side_stream),
@@ -641,6 +708,14 @@ def check_bf16(runs: Dict[int, Dict[str, Any]]) -> None:
         assert r["where"][3:] == [(True, False, True)] * 2, r["where"]
 
 
+def check_bf16_mixed(runs: Dict[int, Dict[str, Any]]) -> None:
+    for r in result(runs, "bf16_mixed"):
+        assert {"one_bucket", "small"} <= set(r), r
+        for name, v in r.items():
+            assert len(v["ratio"]) == 4 and max(v["ratio"]) <= 1.0, (name, v)
+            assert v["c_zero"] == [True] * 4, (name, v)
+
+
 def check_amp(runs: Dict[int, Dict[str, Any]]) -> None:
     r0, *others = result(runs, "amp")
     assert r0["scale_after_wrap"] == r0["scale"] == [1.0] * 4
@@ -698,6 +773,10 @@ def test_bf16_reduction_is_close_to_fp32(runs):
     check_bf16(runs)
 
 
+def test_bf16_with_unused_python_path_and_side_stream_gradients(runs):
+    check_bf16_mixed(runs)
+
+
 def test_buffers_autocast_gradscaler_clip_identical_on_every_rank(runs):
     check_amp(runs)
 
@@ -716,7 +795,8 @@ if __name__ == "__main__":
         got = run_all("cpu", world=1 if "--one" in sys.argv[1:] else 2)
         for name, check in (("equivalence", check_equivalence), ("torch_ddp", check_torch_ddp),
                             ("branches", check_branches), ("no_sync", check_no_sync),
-                            ("bf16", check_bf16), ("amp", check_amp), ("memory", check_memory),
+                            ("bf16", check_bf16), ("bf16_mixed", check_bf16_mixed),
+                            ("amp", check_amp), ("memory", check_memory),
                             ("side_stream", check_side_stream)):
             check(got)
             print(f"ok: {name} ({got[0][name + '_s']:.1f} s)")
