@@ -17,7 +17,8 @@ PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 DDPC_CUDA_ARCHS=${DDPC_CUDA_ARCHS:-90}
 stage() {  # stage NAME SECONDS CMD...
     local name=$1 secs=$2; shift 2
-    if [ -n "$STAGES" ] && [ "$name" != build ] && [ "$name" != extra ] && [[ " $STAGES " != *" $name "* ]]; then
+    if [ -n "$STAGES" ] && [ "$name" != build ] && [ "$name" != extra ] &&
+        [[ " $STAGES " != *" $name "* ]]; then
         return 0
     fi
     local t0=$(date +%s)

@@ -332,10 +332,12 @@ ddpc_status ddpc_device_cast_many(int n, void *const *dsts, ddpc_dtype dst_dt,
         }
         if (k == n) break;
         if (!counts[k]) continue;
-        uintptr_t d = reinterpret_cast<uintptr_t>(dsts[k]), s = reinterpret_cast<uintptr_t>(srcs[k]);
+        uintptr_t d = reinterpret_cast<uintptr_t>(dsts[k]);
+        uintptr_t s = reinterpret_cast<uintptr_t>(srcs[k]);
         if (!d || !s)
             return ddpc_error(DDPC_ERR_INVALID, "device cast of many arrays: array %d (%zu "
-                              "elements) has a NULL %s", k, counts[k], !d ? "destination" : "source");
+                              "elements) has a NULL %s", k, counts[k],
+                              !d ? "destination" : "source");
         if (d < s + counts[k] * ssz && s < d + counts[k] * dsz)
             return ddpc_error(DDPC_ERR_INVALID, "device cast of many arrays: array %d's source and "
                               "destination overlap", k);

@@ -1,6 +1,7 @@
 /* test_kernels.c: csrc/kernels.cu on a real GPU: ddpc_device_cast for every pair of float dtypes,
  * vectorized and scalar paths, odd lengths, in place, against the host conversion of reduce.c bit
- * for bit; ddpc_device_cast_many; ddpc_device_zero; and the argument checks. Prints "ok: ..." and exits 0 on success. */
+ * for bit; ddpc_device_cast_many; ddpc_device_zero; and the argument checks. Prints "ok: ..." and
+ * exits 0 on success. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
