@@ -1256,8 +1256,7 @@ static ddpc_status choose_transport(CpuComm *c) {
     char key[256], val[300], host0[300] = "", other[300] = "";
     char host[256];
     int want_tcp = 0, want_shm = 0, differ = -1;
-    if (g->host_id[0]) snprintf(host, sizeof host, "%s", g->host_id);
-    else ddpc_default_host_id(host, sizeof host);
+    ddpc_group_host_id(g, host, sizeof host);
     ddpc_group_key(g, key, sizeof key, "cpu/host/%d", g->rank);
     snprintf(val, sizeof val, "%d|%s", (int)g->want_transport, host);
     DDPC_CHECK(store_set_str(g, key, val));

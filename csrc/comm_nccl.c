@@ -1199,10 +1199,7 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
     const char *p2p = getenv("NCCL_P2P_DISABLE"), *env = getenv("DDPC_FAST_ALLREDUCE");
     FastVote mine;
     memset(&mine, 0, sizeof mine);
-    if (g->host_id[0])
-        snprintf(mine.host, sizeof mine.host, "%s", g->host_id);
-    else
-        ddpc_default_host_id(mine.host, sizeof mine.host);
+    ddpc_group_host_id(g, mine.host, sizeof mine.host);
     FastAr *f = calloc(1, sizeof *f);
     if (!f) return ddpc_error(DDPC_ERR_NOMEM, "out of host memory setting up the fast all-reduce");
     im->fast = f;
@@ -1313,10 +1310,7 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
     if (g->world < 2) return DDPC_OK;
     StagedVote mine;
     memset(&mine, 0, sizeof mine);
-    if (g->host_id[0])
-        snprintf(mine.host, sizeof mine.host, "%s", g->host_id);
-    else
-        ddpc_default_host_id(mine.host, sizeof mine.host);
+    ddpc_group_host_id(g, mine.host, sizeof mine.host);
     size_t chunk = ddpc_staged_chunk_bytes(g->world);
     mine.chunk_bytes = chunk;
     size_t min_bytes = (size_t)1 << 20;

@@ -266,10 +266,10 @@ ddpc_status ddpc_reducer_bucket_info(const DdpcReducer *r, int b, ddpc_dtype *dt
 int ddpc_reducer_bucket_comm_dtype(const DdpcReducer *r, int b);
 /* Where parameter i's gradient lives: bucket and element offset. */
 ddpc_status ddpc_reducer_param_slot(const DdpcReducer *r, int i, int *bucket, size_t *offset);
-/* Gives bucket b its flat buffer (count elements; owned by the caller). comm_buf: a second buffer
- * of count elements in ddpc_reducer_bucket_comm_dtype(r, b) when that is >= 0, else NULL. Allowed
- * between steps, and within one while none of b's gradients was marked ready yet. */
-ddpc_status ddpc_reducer_set_bucket_memory(DdpcReducer *r, int b, void *buf, void *comm_buf);
+/* Gives bucket b its flat buffer (count elements; owned by the caller). Allowed between steps,
+ * and within one while none of b's gradients was written into it (marked ready in its slot).
+ * A bucket reduced in another dtype also needs its wire buffer: ddpc_reducer_set_bucket_wire. */
+ddpc_status ddpc_reducer_set_bucket_memory(DdpcReducer *r, int b, void *buf);
 /* The caller takes bucket b's memory back (same rules as set_bucket_memory), e.g. while its
  * gradients are set to None; it must give memory again before they are marked ready or the step
  * is finalized. */
@@ -297,17 +297,15 @@ ddpc_status ddpc_reducer_mark_ready_copy(DdpcReducer *r, int i, const void *src,
  * points the gradient at the slot). */
 ddpc_status ddpc_reducer_mark_ready_grad(DdpcReducer *r, int i, const void *src,
                                          uintptr_t stream, int *direct);
-/* 1 when parameter i's bucket is reduced in another dtype and has its wire buffer, so
- * ddpc_reducer_mark_ready_grad takes gradients without the bucket's memory. */
-int ddpc_reducer_param_wired(DdpcReducer *r, int i);
-/* 1 when parameter i's bucket is reduced in another dtype and has no wire buffer now. */
-int ddpc_reducer_param_needs_wire(DdpcReducer *r, int i);
-/* Gives bucket b its wire buffer (count elements of the comm dtype), or takes it back (NULL);
- * set_bucket_memory may give it too. A wire bucket needs it from its first gradient of a step
- * to the end of finalize, and it may not change while the bucket is in use. */
+/* Gives bucket b its wire buffer (count elements of the comm dtype), or takes it back (NULL). A
+ * bucket reduced in another dtype needs it from its first gradient of a step to the end of
+ * finalize, and it may not change while the bucket is in use. */
 ddpc_status ddpc_reducer_set_bucket_wire(DdpcReducer *r, int b, void *comm_buf);
-/* 1 when parameter i's bucket has memory (it was given some and not released since). */
-int ddpc_reducer_param_has_memory(DdpcReducer *r, int i);
+/* What parameter i's bucket has now, read in one go (0 for an index out of range). */
+#define DDPC_PARAM_HAS_MEMORY 1 /* memory: given and not released since (or nothing to hold) */
+#define DDPC_PARAM_WIRE_BUCKET 2 /* reduced in another dtype, through a wire buffer */
+#define DDPC_PARAM_HAS_WIRE 4   /* that wire buffer is given: mark_ready_grad casts into it */
+int ddpc_reducer_param_state(DdpcReducer *r, int i);
 /* 1 when ddpc_reducer_mark_ready(r, i, ...) would launch a collective now (it then does work
  * that is worth releasing the GIL for), 0 when it only records. A hint: never fails. */
 int ddpc_reducer_mark_would_launch(DdpcReducer *r, int i);

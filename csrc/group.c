@@ -97,6 +97,13 @@ const char *ddpc_group_backend(const DdpcGroup *g) { return g->ops->name; }
 const char *ddpc_group_transport(const DdpcGroup *g) { return g->transport; }
 int64_t ddpc_group_timeout_ms(const DdpcGroup *g) { return g->timeout_ms; }
 
+void ddpc_group_host_id(const DdpcGroup *g, char *buf, size_t len) {
+    if (g->host_id[0])
+        snprintf(buf, len, "%s", g->host_id);
+    else
+        ddpc_default_host_id(buf, len);
+}
+
 void ddpc_group_key(const DdpcGroup *g, char *buf, size_t len, const char *fmt, ...) {
     int n = snprintf(buf, len, "%s/", g->prefix);
     if (n < 0 || (size_t)n >= len) return;

@@ -82,6 +82,8 @@ void ddpc_group_call_abort_hook(DdpcGroup *g);
  * freeing the impl, and not from inside an abort hook. */
 void ddpc_group_take_impl(DdpcGroup *g);
 
+/* This rank's host identity: the one given to init (host_id), else ddpc_default_host_id. */
+void ddpc_group_host_id(const DdpcGroup *g, char *buf, size_t len);
 /* Store key of this group: "<prefix>/<name>". */
 void ddpc_group_key(const DdpcGroup *g, char *buf, size_t len, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));

@@ -948,12 +948,11 @@ static PyObject *Reducer_param_slot(ReducerObject *self, PyObject *args) {
 
 static PyObject *Reducer_set_bucket_memory(ReducerObject *self, PyObject *args) {
     int b;
-    unsigned long long ptr, comm_ptr = 0;
+    unsigned long long ptr;
     PyObject *keep = Py_None;
-    if (!PyArg_ParseTuple(args, "iK|KO", &b, &ptr, &comm_ptr, &keep)) return NULL;
+    if (!PyArg_ParseTuple(args, "iK|O", &b, &ptr, &keep)) return NULL;
     if (!reducer_ready(self)) return NULL;
-    ddpc_status st = ddpc_reducer_set_bucket_memory(self->r, b, (void *)(uintptr_t)ptr,
-                                                    (void *)(uintptr_t)comm_ptr);
+    ddpc_status st = ddpc_reducer_set_bucket_memory(self->r, b, (void *)(uintptr_t)ptr);
     if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
     /* b is valid now; the bucket's previous owner may go (the reducer no longer points to it) */
     Py_INCREF(keep);
@@ -1121,7 +1120,7 @@ static PyMethodDef Reducer_methods[] = {
     {"param_slot", (PyCFunction)Reducer_param_slot, METH_VARARGS,
      "param_slot(i) -> (bucket, element offset)"},
     {"set_bucket_memory", (PyCFunction)Reducer_set_bucket_memory, METH_VARARGS,
-     "set_bucket_memory(b, ptr, comm_ptr=0, keep=None): keep owns the memory; the reducer holds "
+     "set_bucket_memory(b, ptr, keep=None): keep owns the memory; the reducer holds "
      "it until bucket b's memory changes or the reducer goes. Allowed between steps, and in a "
      "step before any of b's gradients is marked ready"},
     {"release_bucket", (PyCFunction)Reducer_release_bucket, METH_VARARGS,
@@ -1246,42 +1245,33 @@ static PyObject *GradHooks_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
     return (PyObject *)self;
 }
 
-static PyObject *GradHooks_get_need_wire(GradHooksObject *self, void *c) {
-    (void)c;
-    PyObject *v = self->need_wire ? self->need_wire : Py_None;
+/* The callable-or-None attributes of GradHooks: the getset closure says which member. */
+typedef struct {
+    size_t offset;
+    const char *name;
+} CallableSlot;
+
+static const CallableSlot g_need_wire_slot = {offsetof(GradHooksObject, need_wire), "need_wire"};
+static const CallableSlot g_current_stream_slot = {offsetof(GradHooksObject, current_stream),
+                                                   "current_stream"};
+
+static PyObject *GradHooks_get_callable(GradHooksObject *self, void *c) {
+    PyObject *v = *(PyObject **)((char *)self + ((const CallableSlot *)c)->offset);
+    v = v ? v : Py_None;
     Py_INCREF(v);
     return v;
 }
 
-static int GradHooks_set_need_wire(GradHooksObject *self, PyObject *v, void *c) {
-    (void)c;
+static int GradHooks_set_callable(GradHooksObject *self, PyObject *v, void *c) {
+    const CallableSlot *slot = c;
     if (v && v != Py_None && !PyCallable_Check(v)) {
-        PyErr_SetString(PyExc_TypeError, "GradHooks.need_wire must be callable or None");
+        PyErr_Format(PyExc_TypeError, "GradHooks.%s must be callable or None", slot->name);
         return -1;
     }
-    PyObject *old = self->need_wire;
-    self->need_wire = v && v != Py_None ? v : NULL;
-    Py_XINCREF(self->need_wire);
-    Py_XDECREF(old);
-    return 0;
-}
-
-static PyObject *GradHooks_get_current_stream(GradHooksObject *self, void *c) {
-    (void)c;
-    PyObject *v = self->current_stream ? self->current_stream : Py_None;
-    Py_INCREF(v);
-    return v;
-}
-
-static int GradHooks_set_current_stream(GradHooksObject *self, PyObject *v, void *c) {
-    (void)c;
-    if (v && v != Py_None && !PyCallable_Check(v)) {
-        PyErr_SetString(PyExc_TypeError, "GradHooks.current_stream must be callable or None");
-        return -1;
-    }
-    PyObject *old = self->current_stream;
-    self->current_stream = v && v != Py_None ? v : NULL;
-    Py_XINCREF(self->current_stream);
+    PyObject **field = (PyObject **)((char *)self + slot->offset);
+    PyObject *old = *field;
+    *field = v && v != Py_None ? v : NULL;
+    Py_XINCREF(*field);
     Py_XDECREF(old);
     return 0;
 }
@@ -1328,12 +1318,13 @@ static int GradHooks_set_views(GradHooksObject *self, PyObject *v, void *c) {
 static PyGetSetDef GradHooks_getset[] = {
     {"reducer", (getter)GradHooks_get_reducer, (setter)GradHooks_set_reducer, NULL, NULL},
     {"views", (getter)GradHooks_get_views, (setter)GradHooks_set_views, NULL, NULL},
-    {"need_wire", (getter)GradHooks_get_need_wire, (setter)GradHooks_set_need_wire, NULL,
+    {"need_wire", (getter)GradHooks_get_callable, (setter)GradHooks_set_callable,
      "callable(index) that gives parameter index's bucket its wire buffer (made for each step "
-     "when the bucket's first gradient arrives), or None"},
-    {"current_stream", (getter)GradHooks_get_current_stream,
-     (setter)GradHooks_set_current_stream, NULL,
-     "callable(device) -> the handle of the current CUDA stream (None: use `stream`)"},
+     "when the bucket's first gradient arrives), or None",
+     (void *)&g_need_wire_slot},
+    {"current_stream", (getter)GradHooks_get_callable, (setter)GradHooks_set_callable,
+     "callable(device) -> the handle of the current CUDA stream (None: use `stream`)",
+     (void *)&g_current_stream_slot},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1502,7 +1493,9 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
         }
         /* A bucket that goes over the wire in another dtype gets its wire buffer when its first
          * gradient of the step arrives (the wrapper drops it after the step). */
-        if (grad != Py_None && ddpc_reducer_param_needs_wire(r->r, (int)i)) {
+        int state = ddpc_reducer_param_state(r->r, (int)i);
+        if (grad != Py_None && (state & DDPC_PARAM_WIRE_BUCKET) &&
+            !(state & DDPC_PARAM_HAS_WIRE)) {
             if (!h->need_wire) {
                 handled = 0;
                 goto done;
@@ -1514,13 +1507,14 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
             if (!res) goto done;
             Py_DECREF(res);
             if (!reducer_ready(r)) goto done; /* (Python ran: see below) */
+            state = ddpc_reducer_param_state(r->r, (int)i);
         }
         /* A fresh gradient of such a bucket is cast to the wire from where it lies: it needs no
          * slot. */
         int wired = h->to_wire && grad != Py_None && grad != view &&
-                    ddpc_reducer_param_wired(r->r, (int)i);
+                    (state & DDPC_PARAM_HAS_WIRE);
         if (grad == Py_None || (!wired && (!view || view == Py_None ||
-                                           !ddpc_reducer_param_has_memory(r->r, (int)i)))) {
+                                           !(state & DDPC_PARAM_HAS_MEMORY)))) {
             /* No gradient, or its bucket is released (parked or dropped): the Python path gives
              * it memory. */
             handled = 0;

@@ -347,7 +347,7 @@ static ddpc_status check_bucket_idle(const DdpcReducer *r, int b) {
     return DDPC_OK;
 }
 
-ddpc_status ddpc_reducer_set_bucket_memory(DdpcReducer *r, int b, void *buf, void *comm_buf) {
+ddpc_status ddpc_reducer_set_bucket_memory(DdpcReducer *r, int b, void *buf) {
     DDPC_CHECK(check_bucket(r, b));
     Bucket *bk = &r->buckets[b];
     if (bk->count && !buf)
@@ -355,14 +355,8 @@ ddpc_status ddpc_reducer_set_bucket_memory(DdpcReducer *r, int b, void *buf, voi
                           "is NULL", b, bk->count);
     pthread_mutex_lock(&r->mu);
     ddpc_status st = check_bucket_idle(r, b);
-    /* (NULL keeps the wire: only another buffer would change it) */
-    if (st == DDPC_OK && bk->comm_dtype >= 0 && bk->comm_buf && comm_buf &&
-        comm_buf != bk->comm_buf && bk->ndirect > 0)
-        st = ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d's wire buffer cannot change after "
-                        "gradients were cast into it in this backward pass", b);
     if (st == DDPC_OK) {
         bk->buf = buf;
-        if (comm_buf && bk->comm_dtype >= 0) bk->comm_buf = comm_buf; /* (NULL: keep the wire) */
         bk->released = 0;
     }
     pthread_mutex_unlock(&r->mu);
@@ -471,6 +465,43 @@ static ddpc_status cast_slots(const Bucket *bk, void *dst, ddpc_dtype dst_dt, co
     return ddpc_device_cast(d, dst_dt, s, src_dt, n, 1.0f, stream);
 }
 
+/* Casts between each wire slot of bk and where its parameter's gradient lies, for the
+ * parameters whose direct flag equals `direct` (direct: the gradient autograd left, grad_at;
+ * else its bucket slot): into the wire when to_wire, else out of it. On a device, a few launches
+ * for all of them. Called with r->mu held. */
+static ddpc_status cast_params(DdpcReducer *r, const Bucket *bk, int direct, int to_wire,
+                               uintptr_t stream) {
+    ddpc_dtype cdt = (ddpc_dtype)bk->comm_dtype;
+    size_t csz = ddpc_dtype_size(cdt), esz = ddpc_dtype_size(bk->dtype);
+    enum { BATCH = 64 };
+    void *dsts[BATCH];
+    const void *srcs[BATCH];
+    size_t counts[BATCH];
+    int n = 0;
+    for (int j = 0; j <= bk->nparams; j++) {
+        if (n == BATCH || (j == bk->nparams && n > 0)) {
+            ddpc_dtype ddt = to_wire ? cdt : bk->dtype, sdt = to_wire ? bk->dtype : cdt;
+            if (bk->device < 0) {
+                for (int k = 0; k < n; k++)
+                    DDPC_CHECK(ddpc_convert_host(dsts[k], ddt, srcs[k], sdt, counts[k]));
+            } else {
+                DDPC_CHECK(ddpc_device_cast_many(n, dsts, ddt, srcs, sdt, counts, stream));
+            }
+            n = 0;
+        }
+        if (j == bk->nparams) break;
+        int p = r->bucket_params[bk->first + j];
+        if (r->direct[p] != direct) continue;
+        char *wire = (char *)bk->comm_buf + r->param_offset[p] * csz;
+        char *grad = direct ? (char *)r->grad_at[p] : (char *)bk->buf + r->param_offset[p] * esz;
+        dsts[n] = to_wire ? wire : grad;
+        srcs[n] = to_wire ? grad : wire;
+        counts[n] = r->numels[p];
+        n++;
+    }
+    return DDPC_OK;
+}
+
 static ddpc_status launch(DdpcReducer *r, int b, uintptr_t stream) {
     Bucket *bk = &r->buckets[b];
     bk->launched = 1;
@@ -479,17 +510,10 @@ static ddpc_status launch(DdpcReducer *r, int b, uintptr_t stream) {
     ddpc_dtype dt = bk->dtype;
     if (bk->comm_dtype >= 0) {
         ddpc_dtype cdt = (ddpc_dtype)bk->comm_dtype;
-        if (bk->ndirect == 0) {
+        if (bk->ndirect == 0)
             DDPC_CHECK(cast_slots(bk, bk->comm_buf, cdt, bk->buf, bk->dtype, 0, bk->count, stream));
-        } else {
-            /* The gradients that lie in their slots join those cast to the wire on arrival. */
-            for (int j = 0; j < bk->nparams; j++) {
-                int p = r->bucket_params[bk->first + j];
-                if (r->direct[p]) continue;
-                DDPC_CHECK(cast_slots(bk, bk->comm_buf, cdt, bk->buf, bk->dtype,
-                                      r->param_offset[p], r->numels[p], stream));
-            }
-        }
+        else /* the gradients in their slots join those cast to the wire on arrival */
+            DDPC_CHECK(cast_params(r, bk, 0, 1, stream));
         wire = bk->comm_buf;
         dt = cdt;
     }
@@ -629,31 +653,15 @@ ddpc_status ddpc_reducer_mark_ready_grad(DdpcReducer *r, int i, const void *src,
     return mark_ready(r, i, stream, src, 2, direct);
 }
 
-int ddpc_reducer_param_needs_wire(DdpcReducer *r, int i) {
+int ddpc_reducer_param_state(DdpcReducer *r, int i) {
     if (i < 0 || i >= r->nparams) return 0;
     pthread_mutex_lock(&r->mu);
     const Bucket *bk = &r->buckets[r->param_bucket[i]];
-    int yes = bk->count && bk->comm_dtype >= 0 && !bk->comm_buf;
+    int st = (!bk->count || bk->buf ? DDPC_PARAM_HAS_MEMORY : 0) |
+             (bk->count && bk->comm_dtype >= 0 ? DDPC_PARAM_WIRE_BUCKET : 0) |
+             (bk->comm_dtype >= 0 && bk->comm_buf ? DDPC_PARAM_HAS_WIRE : 0);
     pthread_mutex_unlock(&r->mu);
-    return yes;
-}
-
-int ddpc_reducer_param_wired(DdpcReducer *r, int i) {
-    if (i < 0 || i >= r->nparams) return 0;
-    pthread_mutex_lock(&r->mu);
-    const Bucket *bk = &r->buckets[r->param_bucket[i]];
-    int yes = bk->comm_dtype >= 0 && bk->comm_buf != NULL;
-    pthread_mutex_unlock(&r->mu);
-    return yes;
-}
-
-int ddpc_reducer_param_has_memory(DdpcReducer *r, int i) {
-    if (i < 0 || i >= r->nparams) return 0;
-    pthread_mutex_lock(&r->mu);
-    const Bucket *bk = &r->buckets[r->param_bucket[i]];
-    int yes = !bk->count || bk->buf != NULL;
-    pthread_mutex_unlock(&r->mu);
-    return yes;
+    return st;
 }
 
 int ddpc_reducer_mark_would_launch(DdpcReducer *r, int i) {
@@ -711,37 +719,12 @@ static ddpc_status zero_unready(DdpcReducer *r, Bucket *bk, uintptr_t stream, in
 
 /* After a wire bucket's collective: the reduced values back into the bucket (when any of its
  * gradients lives there) and into the gradients that went to the wire from where autograd left
- * them (a few launches for all of them). Called with r->mu held. */
+ * them. Called with r->mu held. */
 static ddpc_status unwire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
-    ddpc_dtype cdt = (ddpc_dtype)bk->comm_dtype;
     if (bk->ndirect < bk->nparams)
-        DDPC_CHECK(cast_slots(bk, bk->buf, bk->dtype, bk->comm_buf, cdt, 0, bk->count, stream));
-    if (!bk->ndirect) return DDPC_OK;
-    size_t csz = ddpc_dtype_size(cdt);
-    enum { BATCH = 64 };
-    void *dsts[BATCH];
-    const void *srcs[BATCH];
-    size_t counts[BATCH];
-    int n = 0;
-    for (int j = 0; j <= bk->nparams; j++) {
-        if (n == BATCH || (j == bk->nparams && n > 0)) {
-            if (bk->device < 0) {
-                for (int k = 0; k < n; k++)
-                    DDPC_CHECK(ddpc_convert_host(dsts[k], bk->dtype, srcs[k], cdt, counts[k]));
-            } else {
-                DDPC_CHECK(ddpc_device_cast_many(n, dsts, bk->dtype, srcs, cdt, counts, stream));
-            }
-            n = 0;
-        }
-        if (j == bk->nparams) break;
-        int p = r->bucket_params[bk->first + j];
-        if (!r->direct[p]) continue;
-        dsts[n] = r->grad_at[p];
-        srcs[n] = (const char *)bk->comm_buf + r->param_offset[p] * csz;
-        counts[n] = r->numels[p];
-        n++;
-    }
-    return DDPC_OK;
+        DDPC_CHECK(cast_slots(bk, bk->buf, bk->dtype, bk->comm_buf, (ddpc_dtype)bk->comm_dtype, 0,
+                              bk->count, stream));
+    return bk->ndirect ? cast_params(r, bk, 1, 0, stream) : DDPC_OK;
 }
 
 ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused) {

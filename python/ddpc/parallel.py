@@ -405,7 +405,7 @@ class DistributedModel(torch.nn.Module):
             buf.untyped_storage().resize_(count * buf.element_size())
             if zero:
                 buf.zero_()
-            self._reducer.set_bucket_memory(b, buf.data_ptr(), 0, buf)
+            self._reducer.set_bucket_memory(b, buf.data_ptr(), buf)
             self._parked[b] = False
             self._bucket_ptrs[b] = buf.data_ptr()
             return
@@ -415,7 +415,7 @@ class DistributedModel(torch.nn.Module):
             buf = torch.zeros(count, dtype=dtype, device=device)
         else:
             buf = torch.empty(count, dtype=dtype, device=device)
-        self._reducer.set_bucket_memory(b, buf.data_ptr(), 0, buf)
+        self._reducer.set_bucket_memory(b, buf.data_ptr(), buf)
         self._parked[b] = False
         self._buckets[b] = buf
         self._bucket_ptrs[b] = buf.data_ptr()
