@@ -268,12 +268,16 @@ def _w_hold(rank: int, world: int, ddpc: Any, torch: Any, results: Any, go: Any)
 
 
 def _w_victim(rank: int, world: int, ddpc: Any, torch: Any, results: Any,
-              victim: int) -> Dict[str, Any]:
-    """Rank `victim` dies by SIGKILL after the first collective; the survivor's next collective
-    must raise ddpc.DistributedError well within the timeout, naming what happened."""
-    t = torch.ones(1024, device=torch.device("cuda", rank))
+              victim: int, numel: int = 1024) -> Dict[str, Any]:
+    """Rank `victim` dies by SIGKILL after the first all-reduce of `numel` floats; the survivor's
+    next collective must raise ddpc.DistributedError well within the timeout, naming what
+    happened. With 16M floats (64 MiB) and NCCL_P2P_DISABLE=1 that all-reduce takes the staged
+    path, whose streams wait on counters in host memory that the dead rank never writes.
+    "staged" reports the group's staged threshold (0: no staged path)."""
+    t = torch.ones(numel, device=torch.device("cuda", rank))
     ddpc.all_reduce(t)
     torch.cuda.synchronize()
+    staged = ddpc.distributed._require().group.staged_min_bytes
     ddpc.barrier()
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -282,9 +286,11 @@ def _w_victim(rank: int, world: int, ddpc: Any, torch: Any, results: Any,
     try:
         ddpc.all_reduce(t)
         ddpc.barrier()
+        torch.cuda.synchronize()
     except ddpc.DistributedError as e:
-        return {"raised": type(e).__name__, "message": str(e), "after": time.monotonic() - t0}
-    return {"raised": None, "after": time.monotonic() - t0}
+        return {"raised": type(e).__name__, "message": str(e), "after": time.monotonic() - t0,
+                "staged": staged}
+    return {"raised": None, "after": time.monotonic() - t0, "staged": staged}
 
 
 def _w_absent(rank: int, world: int, ddpc: Any, torch: Any, results: Any,
@@ -469,29 +475,6 @@ def _w_staged(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dic
     return {"failures": [f for f in failures if f]}
 
 
-def _w_staged_victim(rank: int, world: int, ddpc: Any, torch: Any, results: Any,
-                     victim: int) -> Dict[str, Any]:
-    """Like _w_victim with a 64 MiB all-reduce on the staged path: the survivor's streams wait on
-    counters in host memory that the dead rank never writes; it must still raise in time."""
-    t = torch.ones(16 << 20, device=torch.device("cuda", rank))
-    ddpc.all_reduce(t)
-    torch.cuda.synchronize()
-    staged = ddpc.distributed._require().group.staged_min_bytes
-    ddpc.barrier()
-    if rank == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(0.5)
-    t0 = time.monotonic()
-    try:
-        ddpc.all_reduce(t)
-        ddpc.barrier()
-        torch.cuda.synchronize()
-    except ddpc.DistributedError as e:
-        return {"raised": type(e).__name__, "message": str(e), "after": time.monotonic() - t0,
-                "staged": staged}
-    return {"raised": None, "after": time.monotonic() - t0, "staged": staged}
-
-
 # ------------------------------------------------------------------------- tests
 
 
@@ -652,7 +635,7 @@ def test_staged_all_reduce(monkeypatch, env):
 def test_staged_killed_rank_makes_survivor_raise(monkeypatch):
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
     timeout = 30.0
-    res = _run_ranks(_w_staged_victim, timeout=timeout, expect=[0], victim=1)
+    res = _run_ranks(_w_victim, timeout=timeout, expect=[0], victim=1, numel=16 << 20)
     out = res[0]
     assert out["staged"] > 0, "the staged path was not on"
     assert out["raised"], "rank 0 did not raise after rank 1 died"

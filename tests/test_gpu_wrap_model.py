@@ -4,7 +4,8 @@ buffers + autocast + GradScaler + clip_grad_norm_, gradients as bucket views and
 
     python -m pytest -m gpu tests/test_gpu_wrap_model.py     # on a machine with >= 2 GPUs
     python tests/test_gpu_wrap_model.py --cpu                # the same scenarios on the cpu
-                                                             # backend (checks the scenarios)
+                                                             # backend (CI runs this through
+                                                             # tests/test_wrap_model.py)
 
 Both ranks run every scenario once (a module-scoped fixture), inside processes that also joined
 a torch.distributed group for the DDP comparison; each test checks one scenario's results.
@@ -159,6 +160,20 @@ def averaged_grads(module: torch.nn.Module, loss_of_rank: Callable) -> List[torc
         g = local_grads(module, lambda m, r=r: loss_of_rank(m, r))
         total = g if total is None else [a + b for a, b in zip(total, g)]
     return [t / WORLD for t in total]
+
+
+def bf16_error_ratio(model: torch.nn.Module, per_rank: List[List[torch.Tensor]]) -> float:
+    """The largest error of model's gradients against the exact average of per_rank's, in units
+    of what a bfloat16 reduction may err. bf16 keeps 8 significant bits: each rounding errs by at
+    most 2**-8 of its value. The casts (halved by the average) and the rounded sum add up to at
+    most 2 * 2**-8 * scale, below the 2**-6 * scale taken as the unit here."""
+    ratio = 0.0
+    for k, p in enumerate(model.parameters()):
+        exact = sum(g[k].double() for g in per_rank) / WORLD
+        scale = sum(g[k].double().abs() for g in per_rank) / WORLD
+        e = (p.grad.double() - exact).abs()
+        ratio = max(ratio, (e / (2.0 ** -6 * scale + 1e-30)).max().item())
+    return ratio
 
 
 def make_opt(name: str, params: Any) -> torch.optim.Optimizer:
@@ -330,16 +345,7 @@ def sc_bf16(rank: int, dev: torch.device) -> Dict[str, Any]:
         in_slots = [any(p.grad is v for v in views) for p in model.parameters()]
         memory = [b is not None and not wrapped._parked[k] for k, b in enumerate(wrapped._buckets)]
         where.append((all(in_slots), not any(in_slots), any(memory)))
-        ratio = 0.0
-        for k, p in enumerate(model.parameters()):
-            exact = sum(g[k].double() for g in per_rank) / WORLD
-            scale = sum(g[k].double().abs() for g in per_rank) / WORLD
-            e = (p.grad.double() - exact).abs()
-            # bf16 keeps 8 significant bits: each rounding errs by at most 2**-8 of its value.
-            # The casts (halved by the average) and the rounded sum add up to at most
-            # 2 * 2**-8 * scale, below the 2**-6 * scale allowed here.
-            ratio = max(ratio, (e / (2.0 ** -6 * scale + 1e-30)).max().item())
-        worst.append(ratio)
+        worst.append(bf16_error_ratio(model, per_rank))
         opt.step()
     wire = [wrapped._reducer.bucket_info(b)[3] for b in range(wrapped._reducer.num_buckets)]
     return {"ratio": worst, "wire_codes": wire, "where": where}
@@ -397,13 +403,7 @@ def sc_bf16_mixed(rank: int, dev: torch.device) -> Dict[str, Any]:
                 torch.cuda.current_stream(dev).wait_stream(stream)
             else:
                 wrapped(xs[rank], rank == 0).square().mean().backward()
-            ratio = 0.0
-            for k, p in enumerate(model.parameters()):
-                exact = sum(gr[k].double() for gr in per_rank) / WORLD
-                scale = sum(gr[k].double().abs() for gr in per_rank) / WORLD
-                e = (p.grad.double() - exact).abs()
-                ratio = max(ratio, (e / (2.0 ** -6 * scale + 1e-30)).max().item())
-            ratios.append(ratio)
+            ratios.append(bf16_error_ratio(model, per_rank))
             c_zero.append(all(not p.grad.any().item() for p in model.c.parameters()))
         out[name] = {"ratio": ratios, "c_zero": c_zero}
     if dev.type == "cuda":
@@ -753,6 +753,21 @@ def check_memory(runs: Dict[int, Dict[str, Any]]) -> None:
         assert r["ddp_default"] >= r["single"] + grads / 2, r
 
 
+CHECKS = [("equivalence", check_equivalence), ("torch_ddp", check_torch_ddp),
+          ("branches", check_branches), ("no_sync", check_no_sync), ("bf16", check_bf16),
+          ("bf16_mixed", check_bf16_mixed), ("amp", check_amp), ("memory", check_memory),
+          ("side_stream", check_side_stream)]
+
+
+def check_on_cpu(world: int = 2) -> Dict[int, Dict[str, Any]]:
+    """Every scenario on the cpu backend (and gloo for torch DDP), through every check: the
+    scenarios' own test, which tests/test_wrap_model.py runs where no GPU is."""
+    got = run_all("cpu", world=world)
+    for _, check in CHECKS:
+        check(got)
+    return got
+
+
 def test_matches_one_gpu_on_the_combined_batch(runs):
     check_equivalence(runs)
 
@@ -792,13 +807,8 @@ def test_forward_and_backward_on_a_side_stream(runs):
 if __name__ == "__main__":
     if "--cpu" in sys.argv[1:]:
         t0 = time.monotonic()
-        got = run_all("cpu", world=1 if "--one" in sys.argv[1:] else 2)
-        for name, check in (("equivalence", check_equivalence), ("torch_ddp", check_torch_ddp),
-                            ("branches", check_branches), ("no_sync", check_no_sync),
-                            ("bf16", check_bf16), ("bf16_mixed", check_bf16_mixed),
-                            ("amp", check_amp), ("memory", check_memory),
-                            ("side_stream", check_side_stream)):
-            check(got)
+        got = check_on_cpu(world=1 if "--one" in sys.argv[1:] else 2)
+        for name, _ in CHECKS:
             print(f"ok: {name} ({got[0][name + '_s']:.1f} s)")
         print(f"all scenarios passed on the cpu backend in {time.monotonic() - t0:.1f} s")
         sys.exit(0)

@@ -128,7 +128,7 @@ static void test_assignment_and_launch_order(void) {
         OK(ddpc_reducer_bucket_info(r, k, &dt, &dev, &count));
         mem[k] = calloc(count, sizeof(float));
         for (size_t i = 0; i < count; i++) mem[k][i] = 3.0f;
-        OK(ddpc_reducer_set_bucket_memory(r, k, mem[k], NULL));
+        OK(ddpc_reducer_set_bucket_memory(r, k, mem[k]));
     }
     OK(ddpc_reducer_prepare(r));
     /* Bucket 1 completes first but must wait for bucket 0. */
@@ -215,7 +215,7 @@ static void test_order_late_dtypes(void) {
         OK(ddpc_reducer_bucket_info(r, k, &dt, &dev, &count));
         EXPECT(ddpc_reducer_bucket_comm_dtype(r, k) == -1, "no comm dtype requested");
         mem[k] = calloc(count, ddpc_dtype_size(dt));
-        OK(ddpc_reducer_set_bucket_memory(r, k, mem[k], NULL));
+        OK(ddpc_reducer_set_bucket_memory(r, k, mem[k]));
     }
     OK(ddpc_reducer_prepare(r));
     for (int i = 0; i < 5; i++) OK(ddpc_reducer_mark_ready(r, i, 0));
@@ -249,7 +249,11 @@ static void test_mark_ready_copy(void) {
     EXPECT(ddpc_reducer_num_buckets(r) == 1 && b0 == 0 && b1 == 0, "one bucket expected");
     float *mem = malloc(count * sizeof(float));
     for (size_t k = 0; k < count; k++) mem[k] = -7.0f; /* uninitialized memory, made visible */
-    OK(ddpc_reducer_set_bucket_memory(r, 0, mem, NULL));
+    EXPECT(ddpc_reducer_param_state(r, 0) == 0, "state %d before memory was given",
+           ddpc_reducer_param_state(r, 0));
+    OK(ddpc_reducer_set_bucket_memory(r, 0, mem));
+    EXPECT(ddpc_reducer_param_state(r, 0) == DDPC_PARAM_HAS_MEMORY, "state %d of a float32 "
+           "bucket with memory", ddpc_reducer_param_state(r, 0));
     OK(ddpc_reducer_prepare(r));
     float g0[3] = {1, 2, 3}, g1[5] = {4, 5, 6, 7, 8};
     EXPECT(ddpc_reducer_mark_ready_copy(r, 0, NULL, 0) == DDPC_ERR_INVALID, "NULL source");
@@ -302,10 +306,10 @@ static void test_mark_ready_grad_to_wire(void) {
     float *mem = malloc(count * sizeof(float));
     for (size_t k = 0; k < count; k++) mem[k] = -7.0f;
     float g0[3] = {2, 2, 2}, g1[5] = {4, 4, 4, 4, 4}, g1b[5] = {6, 6, 6, 6, 6}, g2[2] = {8, 8};
-    EXPECT(ddpc_reducer_param_wired(r, 0) == 0, "wired before the wire was given");
-    EXPECT(ddpc_reducer_param_needs_wire(r, 0) == 1, "no wire, yet none needed");
+    EXPECT(ddpc_reducer_param_state(r, 0) == DDPC_PARAM_WIRE_BUCKET, "state %d before memory and "
+           "wire were given", ddpc_reducer_param_state(r, 0));
     /* without a wire buffer nothing can be marked, or finalized */
-    OK(ddpc_reducer_set_bucket_memory(r, 0, mem, NULL));
+    OK(ddpc_reducer_set_bucket_memory(r, 0, mem));
     OK(ddpc_reducer_prepare(r));
     EXPECT(ddpc_reducer_mark_ready(r, 0, 0) == DDPC_ERR_INVALID &&
                strstr(ddpc_last_error(), "no wire buffer"),
@@ -316,8 +320,9 @@ static void test_mark_ready_grad_to_wire(void) {
                strstr(ddpc_last_error(), "no wire buffer"),
            "finalized without a wire: %s", ddpc_last_error());
     OK(ddpc_reducer_set_bucket_wire(r, 0, wire));
-    EXPECT(ddpc_reducer_param_wired(r, 0) == 1, "not wired after the wire was given");
-    EXPECT(ddpc_reducer_param_needs_wire(r, 0) == 0, "a wire is needed although given");
+    EXPECT(ddpc_reducer_param_state(r, 0) ==
+               (DDPC_PARAM_HAS_MEMORY | DDPC_PARAM_WIRE_BUCKET | DDPC_PARAM_HAS_WIRE),
+           "state %d after memory and wire were given", ddpc_reducer_param_state(r, 0));
     OK(ddpc_reducer_finalize(r, 0, NULL));
     clear_log();
 
@@ -336,13 +341,13 @@ static void test_mark_ready_grad_to_wire(void) {
     OK(ddpc_reducer_mark_ready_grad(r, 1, g1b, 0, &direct));
     EXPECT(bf16_value(&wire[off[1] + 4]) == 6.0f, "wire slot 1 holds the first gradient");
     EXPECT(g_nlog == 0, "launched before the bucket was complete");
-    EXPECT(ddpc_reducer_set_bucket_memory(r, 0, mem, wire + 1) == DDPC_ERR_INVALID,
+    EXPECT(ddpc_reducer_set_bucket_wire(r, 0, wire + 1) == DDPC_ERR_INVALID,
            "the wire changed after gradients were cast into it");
     EXPECT(ddpc_reducer_finalize(r, 0, NULL) == DDPC_ERR_INVALID &&
                strstr(ddpc_last_error(), "has no memory"),
            "finalize without memory for the missing gradient: %s", ddpc_last_error());
-    /* memory for the missing gradient's zeros, the wire kept (NULL), as the wrapper gives it */
-    OK(ddpc_reducer_set_bucket_memory(r, 0, mem, NULL));
+    /* memory for the missing gradient's zeros (the wire stays), as the wrapper gives it */
+    OK(ddpc_reducer_set_bucket_memory(r, 0, mem));
     int unused = -1;
     OK(ddpc_reducer_finalize(r, 0, &unused));
     EXPECT(unused == 1, "unused %d", unused);
@@ -369,7 +374,7 @@ static void test_mark_ready_grad_to_wire(void) {
     clear_log();
 
     /* step 3: a bucket with memory, one gradient in its slot and one to the wire */
-    OK(ddpc_reducer_set_bucket_memory(r, 0, mem, wire));
+    OK(ddpc_reducer_set_bucket_memory(r, 0, mem));
     OK(ddpc_reducer_prepare(r));
     for (int k = 0; k < 3; k++) mem[off[0] + k] = 10.0f;
     OK(ddpc_reducer_mark_ready(r, 0, 0));
@@ -380,10 +385,11 @@ static void test_mark_ready_grad_to_wire(void) {
            "mixed: slot %g, wire %g, copied %g", (double)mem[off[0]], (double)g1[0],
            (double)mem[off[2]]);
     clear_log();
-    /* the wire goes back after the step, and set_bucket_memory without one keeps none */
+    /* the wire goes back after the step, and memory given again does not bring one */
     OK(ddpc_reducer_set_bucket_wire(r, 0, NULL));
-    OK(ddpc_reducer_set_bucket_memory(r, 0, mem, NULL));
-    EXPECT(ddpc_reducer_param_needs_wire(r, 0) == 1, "the wire was not taken back");
+    OK(ddpc_reducer_set_bucket_memory(r, 0, mem));
+    EXPECT(!(ddpc_reducer_param_state(r, 0) & DDPC_PARAM_HAS_WIRE), "the wire was not taken "
+           "back");
     ddpc_reducer_destroy(r);
     free(mem);
     free(wire);
@@ -407,8 +413,8 @@ static void test_bad_arguments(void) {
     OK(ddpc_reducer_create(&g_group, 2, numels, dts, devs, NULL, NULL, 64, 64, -1, &r));
     if (!r) return;
     EXPECT(ddpc_reducer_prepare(r) == DDPC_ERR_INVALID, "prepare without bucket memory");
-    EXPECT(ddpc_reducer_set_bucket_memory(r, 0, NULL, NULL) == DDPC_ERR_INVALID, "NULL buffer");
-    EXPECT(ddpc_reducer_set_bucket_memory(r, 7, NULL, NULL) == DDPC_ERR_INVALID, "bucket 7");
+    EXPECT(ddpc_reducer_set_bucket_memory(r, 0, NULL) == DDPC_ERR_INVALID, "NULL buffer");
+    EXPECT(ddpc_reducer_set_bucket_memory(r, 7, NULL) == DDPC_ERR_INVALID, "bucket 7");
     EXPECT(ddpc_reducer_mark_ready(r, 2, 0) == DDPC_ERR_INVALID, "param 2 of 2");
     ddpc_reducer_destroy(r);
     OK(ddpc_reducer_create(&g_group, 0, NULL, NULL, NULL, NULL, NULL, 64, 64, -1, &r));
