@@ -147,6 +147,22 @@ def _reduce(torch: Any, xs: List[Any], op: str, in_dtype: bool) -> Any:
     return acc
 
 
+def _all_reduce_checked(ddpc: Any, torch: Any, dev: Any, xs: List[Any], rank: int, op: str,
+                        what: str) -> List[str]:
+    """all_reduce of this rank's input xs[rank] on dev, compared with the reference over xs, and
+    every rank holding bitwise the same result (reduced in rank order everywhere): the failures
+    (None where all is well)."""
+    t = xs[rank].to(dev)
+    ddpc.all_reduce(t, op=op)
+    out = [_compare(torch, t, xs, op, what)]
+    n = t.numel()
+    every = torch.empty(len(xs) * n, dtype=t.dtype, device=dev)
+    ddpc.all_gather_into_tensor(every, t)
+    if any(not torch.equal(every[:n], every[r * n:(r + 1) * n]) for r in range(1, len(xs))):
+        out.append(f"{what}: ranks hold different bits")
+    return out
+
+
 def _compare(torch: Any, got: Any, xs: List[Any], op: str, what: str) -> Optional[str]:
     """None when got matches the reduction of xs. Integers: exactly. Floats: the error against
     float64 may be at most twice the error of the same reduction done in the dtype on the host."""
@@ -329,14 +345,8 @@ def _w_fast(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dict[
             for op in ["sum", "avg", "min", "max", "prod"]:
                 if op == "avg" and dtype not in FLOATS:
                     continue
-                t = xs[rank].to(dev)
-                ddpc.all_reduce(t, op=op)
-                failures.append(_compare(torch, t, xs, op, f"all_reduce {op} {dtype} n={n}"))
-                # Every rank holds bitwise the same result (reduced in rank order everywhere).
-                both = torch.empty(world * n, dtype=t.dtype, device=dev)
-                ddpc.all_gather_into_tensor(both, t)
-                if not torch.equal(both[:n], both[n:2 * n]):
-                    failures.append(f"all_reduce {op} {dtype} n={n}: ranks hold different bits")
+                failures += _all_reduce_checked(ddpc, torch, dev, xs, rank, op,
+                                                f"all_reduce {op} {dtype} n={n}")
     side = torch.cuda.Stream(device=dev)
     for i in range(300):
         s = side if i % 3 == 0 else torch.cuda.current_stream(dev)
@@ -419,14 +429,8 @@ def _w_staged(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dic
         for n in sizes:
             xs = [_input(torch, dtype, r, n) for r in range(world)]
             for op in ["sum", "avg"]:
-                t = xs[rank].to(dev)
-                ddpc.all_reduce(t, op=op)
-                failures.append(_compare(torch, t, xs, op, f"staged all_reduce {op} {dtype} n={n}"))
-                both = torch.empty(world * n, dtype=t.dtype, device=dev)
-                ddpc.all_gather_into_tensor(both, t)
-                if not torch.equal(both[:n], both[n:2 * n]):
-                    failures.append(f"staged all_reduce {op} {dtype} n={n}: ranks hold different "
-                                    "bits")
+                failures += _all_reduce_checked(ddpc, torch, dev, xs, rank, op,
+                                                f"staged all_reduce {op} {dtype} n={n}")
     # Twenty calls queued without waiting: 5 chunks each, so the 4 host slots turn over many
     # times, and each call must see only its own data.
     n = (5 * chunk) // 4
