@@ -115,6 +115,7 @@ def describe_env(device: torch.device) -> dict:
     import ddpc
     env = {k: os.environ.get(k) for k in ENV_VARS}
     env["torch"] = torch.__version__
+    env["cpus"] = f"{len(os.sched_getaffinity(0))} of {os.cpu_count()}"
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
@@ -127,8 +128,9 @@ def describe_env(device: torch.device) -> dict:
 class Variant:
     """One way of training the model: its own model and optimizer, stepped on demand."""
 
-    def __init__(self, name: str, wrap, single: bool = False) -> None:
+    def __init__(self, name: str, wrap, single: bool = False, env=None) -> None:
         self.name, self.wrap, self.single = name, wrap, single
+        self.env = env or {}  # environment while the model is wrapped and warmed up
         self.times = []
         self.phases = []  # per timed step: host ms and GPU ms of forward, backward, optimizer
         self.mem = float("nan")
@@ -144,6 +146,21 @@ class Variant:
         # seconds per variant. The wrapper (DDP, ddpc) is applied outside that context.
         with device:
             model = GPT(cfg["layers"], cfg["width"], cfg["heads"], cfg["vocab"], cfg["seq"])
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            self._build(model, args, device, rank, cfg)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self.mem = peak_mib(device) - before
+        if hasattr(self.model, "host_times"):
+            self.model.host_times()  # (from here on: the timed steps only)
+
+    def _build(self, model, args, device, rank, cfg) -> None:
         self.model = self.wrap(model)
         fused = {"fused": True} if device.type == "cuda" else {}
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1, **fused)
@@ -151,7 +168,6 @@ class Variant:
         self.cfg, self.device = cfg, device
         for _ in range(args.warmup):
             self.step(timed=False)
-        self.mem = peak_mib(device) - before
 
     def step(self, timed: bool = True) -> None:
         cfg, device = self.cfg, self.device
@@ -228,6 +244,7 @@ def _worker(rank, args, ports, results):
 
     variants = [
         Variant("1 process (no DDP)", lambda m: m, single=True),
+        *([Variant("no DDP, every rank", lambda m: m)] if args.no_ddp_every_rank else []),
         Variant("torch DDP", lambda m: DDP(m, device_ids=ids, bucket_cap_mb=25)),
         Variant("torch DDP bucket_view+static", lambda m: DDP(
             m, device_ids=ids, bucket_cap_mb=25, gradient_as_bucket_view=True,
@@ -235,6 +252,14 @@ def _worker(rank, args, ports, results):
         Variant("ddpc", lambda m: ddpc.wrap_model(m)),
         Variant("ddpc grad_dtype=bf16", lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16)),
     ]
+    if args.per_gradient:
+        # What copying (casting) a bucket's gradients in one launch when it is complete saves:
+        # one launch per gradient as it arrives (DDPC_GRAD_BATCH=0, read when a reducer is made,
+        # so set while the variant is built and warmed up, which makes its last reducer).
+        one = {"DDPC_GRAD_BATCH": "0"}
+        variants += [Variant("ddpc per-gradient copies", lambda m: ddpc.wrap_model(m), env=one),
+                     Variant("ddpc bf16 per-gradient casts",
+                             lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16), env=one)]
     if args.bf16_via_bucket:
         # What casting fresh gradients straight to the wire saves: each copied into its bucket
         # slot first, as before it.
@@ -291,7 +316,14 @@ def _worker(rank, args, ports, results):
         rounds = [statistics.fmean(times[j:j + per_round])
                   for j in range(0, len(times) - per_round + 1, per_round)]
         rows.append((name, ms, mem, rounds, phases))
-    results.put((rank, "ok", (rows, describe_env(device))))
+    # ddpc's own account of its host time (DistributedModel.host_times), rank 0's, per step.
+    wrapper_ms = {}
+    for v in variants:
+        if not v.single and hasattr(v.model, "host_times"):
+            t = v.model.host_times()
+            steps = max(t.pop("steps"), 1.0)
+            wrapper_ms[v.name] = {k: x / steps for k, x in t.items()}
+    results.put((rank, "ok", (rows, describe_env(device), wrapper_ms)))
     tdist.destroy_process_group()
     ddpc.destroy_process_group()
 
@@ -336,6 +368,13 @@ def main() -> int:
     ap.add_argument("--bf16-via-bucket", action="store_true",
                     help="also run ddpc with bf16 gradients copied into their bucket slots "
                          "before the cast (the path before gradients went straight to the wire)")
+    ap.add_argument("--per-gradient", action="store_true",
+                    help="also run ddpc with each gradient copied (cast) into its bucket as it "
+                         "arrives, one launch each (DDPC_GRAD_BATCH=0), instead of a bucket's "
+                         "in one launch")
+    ap.add_argument("--no-ddp-every-rank", action="store_true",
+                    help="also time the model without DDP on every rank at once: what the ranks "
+                         "cost each other on the host, with no communication")
     ap.add_argument("--timeout", type=float, default=200.0,
                     help="seconds before the workers are stopped (default 200)")
     args = ap.parse_args()
@@ -384,7 +423,7 @@ def main() -> int:
         if status != "ok":
             failed.append((rank, value))
         elif rank == 0:
-            rows, env = value
+            rows, env, wrapper_ms = value
     for p in procs:
         p.join(timeout=30 if failed else None)
         if p.is_alive():
@@ -433,6 +472,20 @@ def main() -> int:
             ph = next(p for n, _, _, _, p in rows if n == r["variant"])
             r["phases_ms"] = dict(zip(["host_fwd", "host_bwd", "host_opt", "gpu_fwd", "gpu_bwd",
                                        "gpu_opt"], ph)) if ph else None
+    if wrapper_ms:
+        # Inside ddpc's share of the host phases above (rank 0, mean per timed step): the
+        # wrapper's forward work; all of its gradient hooks, of which giving buckets their wire
+        # buffers, queueing each gradient's copy or cast, and queueing bucket collectives
+        # (launch also counts in end-of-backward when it ran there); the end of backward.
+        keys = ["forward", "hooks", "hook_calls", "wire", "mark", "launch", "end_of_backward"]
+        print(f"{'ddpc host ms per step (rank 0)':32s} " + " ".join(
+            f"{k.replace('end_of_backward', 'end_bwd').replace('hook_calls', 'calls'):>8s}"
+            for k in keys))
+        for name, t in wrapper_ms.items():
+            print(f"{name:32s} " + " ".join(
+                f"{t[k]:8.0f}" if k == "hook_calls" else f"{t[k]:8.2f}" for k in keys))
+        for r in out_rows:
+            r["ddpc_host_ms"] = wrapper_ms.get(r["variant"])
     wall = time.monotonic() - t_start
     print(f"({wall:.0f} s in all; ms/step: median over the timed steps, slowest rank; paired: "
           f"median over rounds of the 1-process time / this variant's time in the same round; "

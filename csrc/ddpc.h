@@ -318,6 +318,16 @@ int ddpc_reducer_unready(DdpcReducer *r, int *out);
 ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused);
 /* The order in which parameters became ready in the last finished step (nparams entries; -1 for
  * those never ready), and how many times each was marked ready. */
+/* The parameters whose gradient was copied into its slot (queued on the device) since the last
+ * call, into out (room for every parameter); returns how many. A gradient to be copied waits for
+ * the rest of its bucket's: until its parameter is listed here, the caller keeps the gradient
+ * alive and .grad on it. */
+int ddpc_reducer_take_flushed(DdpcReducer *r, int *out);
+/* Host time (ns) since the last reset spent in: [0] marking gradients ready (their copies or
+ * casts into the bucket or wire, queued on the device), [1] launching buckets (casts and posting
+ * the collective), [2] finalize apart from its launches (zeroing, waits queued on the stream,
+ * casts back). For the wrapper's host_times() diagnostic. */
+void ddpc_reducer_host_times(DdpcReducer *r, uint64_t out[3], int reset);
 ddpc_status ddpc_reducer_observed_order(const DdpcReducer *r, int *order, int *ready_count);
 
 /* ---------------------------------------------------------------- distributed sampler */

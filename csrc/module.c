@@ -1056,6 +1056,29 @@ static PyObject *Reducer_finalize(ReducerObject *self, PyObject *args) {
     return PyLong_FromLong(unused);
 }
 
+/* The parameters whose gradients the reducer copied into their slots since the last call (it
+ * copies a bucket's in one batch when the bucket launches), as a new list; NULL with an
+ * exception set. */
+static PyObject *reducer_take_flushed(ReducerObject *self) {
+    if (!reducer_ready(self)) return NULL;
+    int n = ddpc_reducer_take_flushed(self->r, self->scratch);
+    return int_list(self->scratch, n);
+}
+
+static PyObject *Reducer_take_flushed(ReducerObject *self, PyObject *unused) {
+    (void)unused;
+    return reducer_take_flushed(self);
+}
+
+static PyObject *Reducer_host_times(ReducerObject *self, PyObject *args) {
+    int reset = 1;
+    if (!PyArg_ParseTuple(args, "|p", &reset)) return NULL;
+    if (!reducer_ready(self)) return NULL;
+    uint64_t t[3];
+    ddpc_reducer_host_times(self->r, t, reset);
+    return Py_BuildValue("(ddd)", t[0] * 1e-6, t[1] * 1e-6, t[2] * 1e-6);
+}
+
 static PyObject *Reducer_observed_order(ReducerObject *self, PyObject *unused) {
     (void)unused;
     if (!reducer_ready(self)) return NULL;
@@ -1136,6 +1159,13 @@ static PyMethodDef Reducer_methods[] = {
      "unready() -> [i, ...]: parameters not marked ready so far this step"},
     {"finalize", (PyCFunction)Reducer_finalize, METH_VARARGS,
      "finalize(stream=0) -> number of unused parameters: zero, launch the rest, wait for all"},
+    {"take_flushed", (PyCFunction)Reducer_take_flushed, METH_NOARGS,
+     "take_flushed() -> [i, ...]: parameters whose gradients were copied into their slots since "
+     "the last call (a bucket's go in one batch when it launches); until then .grad stays on "
+     "the gradient autograd made"},
+    {"host_times", (PyCFunction)Reducer_host_times, METH_VARARGS,
+     "host_times(reset=True) -> (mark ms, launch ms, finalize ms): host time spent queueing "
+     "gradient copies, bucket collectives and the end of the step since the last reset"},
     {"observed_order", (PyCFunction)Reducer_observed_order, METH_NOARGS,
      "observed_order() -> (order, ready_counts) of the last finished step"},
     {"close", (PyCFunction)Reducer_close, METH_NOARGS,
@@ -1174,14 +1204,18 @@ typedef struct {
     PyObject_HEAD
     ReducerObject *reducer; /* None until set */
     PyObject *views;        /* list: views[i] is parameter i's slot (or None) */
+    PyObject *params;       /* list of the parameters, for .grad once copied into their slots */
     PyObject *names;        /* list of parameter names, for messages */
     PyObject *slow;         /* callable(param, index) */
     PyObject *current_stream; /* callable(device) -> the current stream's handle, or NULL */
     PyObject *need_wire;    /* callable(index): gives parameter index's bucket its wire buffer */
+    PyObject *need_memory;  /* callable(index, grad): gives a released bucket memory again */
     int device;             /* the CUDA device of the parameters, -1 on the host */
     unsigned long long stream;
     char fast;              /* a synced backward is running and its end is queued */
     char to_wire;           /* fresh gradients of wire buckets go straight to the wire */
+    /* host time in the hooks, for the wrapper's host_times() */
+    unsigned long long calls, hook_ns, wire_ns;
 } GradHooksObject;
 
 typedef struct {
@@ -1199,10 +1233,12 @@ static PyObject *g_str_requires_grad; /* interned "requires_grad" */
 static int GradHooks_traverse(GradHooksObject *self, visitproc visit, void *arg) {
     Py_VISIT(self->reducer);
     Py_VISIT(self->views);
+    Py_VISIT(self->params);
     Py_VISIT(self->names);
     Py_VISIT(self->slow);
     Py_VISIT(self->current_stream);
     Py_VISIT(self->need_wire);
+    Py_VISIT(self->need_memory);
     Py_VISIT(Py_TYPE(self));
     return 0;
 }
@@ -1210,10 +1246,12 @@ static int GradHooks_traverse(GradHooksObject *self, visitproc visit, void *arg)
 static int GradHooks_clear(GradHooksObject *self) {
     Py_CLEAR(self->reducer);
     Py_CLEAR(self->views);
+    Py_CLEAR(self->params);
     Py_CLEAR(self->names);
     Py_CLEAR(self->slow);
     Py_CLEAR(self->current_stream);
     Py_CLEAR(self->need_wire);
+    Py_CLEAR(self->need_memory);
     return 0;
 }
 
@@ -1252,6 +1290,8 @@ typedef struct {
 } CallableSlot;
 
 static const CallableSlot g_need_wire_slot = {offsetof(GradHooksObject, need_wire), "need_wire"};
+static const CallableSlot g_need_memory_slot = {offsetof(GradHooksObject, need_memory),
+                                                "need_memory"};
 static const CallableSlot g_current_stream_slot = {offsetof(GradHooksObject, current_stream),
                                                    "current_stream"};
 
@@ -1315,13 +1355,38 @@ static int GradHooks_set_views(GradHooksObject *self, PyObject *v, void *c) {
     return 0;
 }
 
+static PyObject *GradHooks_get_params(GradHooksObject *self, void *c) {
+    (void)c;
+    PyObject *v = self->params ? self->params : Py_None;
+    Py_INCREF(v);
+    return v;
+}
+
+static int GradHooks_set_params(GradHooksObject *self, PyObject *v, void *c) {
+    (void)c;
+    if (!v || !PyList_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "GradHooks.params must be a list");
+        return -1;
+    }
+    Py_INCREF(v);
+    Py_XSETREF(self->params, v);
+    return 0;
+}
+
 static PyGetSetDef GradHooks_getset[] = {
     {"reducer", (getter)GradHooks_get_reducer, (setter)GradHooks_set_reducer, NULL, NULL},
     {"views", (getter)GradHooks_get_views, (setter)GradHooks_set_views, NULL, NULL},
+    {"params", (getter)GradHooks_get_params, (setter)GradHooks_set_params,
+     "the parameters (list), whose .grad the hooks point at their slots once the reducer has "
+     "copied their gradients there", NULL},
     {"need_wire", (getter)GradHooks_get_callable, (setter)GradHooks_set_callable,
      "callable(index) that gives parameter index's bucket its wire buffer (made for each step "
      "when the bucket's first gradient arrives), or None",
      (void *)&g_need_wire_slot},
+    {"need_memory", (getter)GradHooks_get_callable, (setter)GradHooks_set_callable,
+     "callable(index, grad) that gives parameter index's released bucket memory again (adopting "
+     "grad as the bucket when it can), or None: the Python path does it",
+     (void *)&g_need_memory_slot},
     {"current_stream", (getter)GradHooks_get_callable, (setter)GradHooks_set_callable,
      "callable(device) -> the handle of the current CUDA stream (None: use `stream`)",
      (void *)&g_current_stream_slot},
@@ -1335,6 +1400,12 @@ static PyMemberDef GradHooks_members[] = {
      "True while a synced backward runs with its end-of-backward reduction queued"},
     {"device", T_INT, offsetof(GradHooksObject, device), 0,
      "the CUDA device the parameters are on (passed to current_stream), -1 on the host"},
+    {"calls", T_ULONGLONG, offsetof(GradHooksObject, calls), 0,
+     "hook calls counted so far (the wrapper's host_times() reads and resets it)"},
+    {"hook_ns", T_ULONGLONG, offsetof(GradHooksObject, hook_ns), 0,
+     "host nanoseconds spent in the hooks so far, their Python path and need_wire included"},
+    {"wire_ns", T_ULONGLONG, offsetof(GradHooksObject, wire_ns), 0,
+     "host nanoseconds of hook_ns spent in need_wire"},
     {"to_wire", T_BOOL, offsetof(GradHooksObject, to_wire), 0,
      "True (the default): a fresh gradient of a bucket reduced in another dtype is cast to the "
      "wire from where it lies; False: copied into its bucket slot first (for comparisons)"},
@@ -1456,7 +1527,30 @@ static int grad_copy_source(PyObject *grad, const void **src) {
     return 1;
 }
 
-static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *kw) {
+/* Points .grad of each parameter whose gradient the reducer has copied into its slot since the
+ * last call at that slot (views[j]); the gradient autograd made goes back to the allocator,
+ * after the copy on its stream. Returns -1 with an exception set. */
+static int attach_flushed(GradHooksObject *h, ReducerObject *r, PyObject *views) {
+    PyObject *done = reducer_take_flushed(r);
+    if (!done) return -1;
+    int rc = 0;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(done) && rc == 0; k++) {
+        Py_ssize_t j = PyLong_AsSsize_t(PyList_GET_ITEM(done, k));
+        if (!h->params || j < 0 || j >= PyList_GET_SIZE(h->params) ||
+            j >= PyList_GET_SIZE(views) || PyList_GET_ITEM(views, j) == Py_None) {
+            PyErr_Format(PyExc_RuntimeError, "gradient hooks: parameter %zd was copied into a "
+                         "slot that the hooks do not know", j);
+            rc = -1;
+        } else {
+            rc = PyObject_SetAttr(PyList_GET_ITEM(h->params, j), g_str_grad,
+                                  PyList_GET_ITEM(views, j));
+        }
+    }
+    Py_DECREF(done);
+    return rc;
+}
+
+static PyObject *GradHook_run(GradHookObject *self, PyObject *args, PyObject *kw) {
     if (kw && PyDict_GET_SIZE(kw)) {
         PyErr_SetString(PyExc_TypeError, "a gradient hook takes no keyword arguments");
         return NULL;
@@ -1502,7 +1596,9 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
             }
             PyObject *idx = PyLong_FromSsize_t(i);
             if (!idx) goto done;
+            uint64_t t0 = ddpc_now_ns();
             PyObject *res = PyObject_CallOneArg(h->need_wire, idx);
+            h->wire_ns += ddpc_now_ns() - t0;
             Py_DECREF(idx);
             if (!res) goto done;
             Py_DECREF(res);
@@ -1513,6 +1609,23 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
          * slot. */
         int wired = h->to_wire && grad != Py_None && grad != view &&
                     (state & DDPC_PARAM_HAS_WIRE);
+        if (grad != Py_None && !wired && h->need_memory &&
+            (!view || view == Py_None || !(state & DDPC_PARAM_HAS_MEMORY))) {
+            /* The first gradient of a bucket released at the forward (its gradients were None):
+             * the wrapper gives the bucket memory, or makes this gradient the bucket, and the
+             * gradient goes on from here rather than through the whole Python path. */
+            PyObject *res = PyObject_CallFunctionObjArgs(h->need_memory, self->index_obj, grad,
+                                                         NULL);
+            if (!res) goto done;
+            Py_DECREF(res);
+            if (!reducer_ready(r)) goto done; /* (Python ran: see below) */
+            Py_CLEAR(view);
+            if (i < PyList_GET_SIZE(views)) {
+                view = PyList_GET_ITEM(views, i);
+                Py_INCREF(view);
+            }
+            state = ddpc_reducer_param_state(r->r, (int)i);
+        }
         if (grad == Py_None || (!wired && (!view || view == Py_None ||
                                            !(state & DDPC_PARAM_HAS_MEMORY)))) {
             /* No gradient, or its bucket is released (parked or dropped): the Python path gives
@@ -1560,16 +1673,14 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
                 Py_INCREF(grad);
                 if (PyList_SetItem(r->keep, 2 * (Py_ssize_t)r->nbuckets + i, grad) < 0)
                     goto done;
-            } else if (st == DDPC_OK && (!view || view == Py_None)) {
-                PyErr_Format(PyExc_RuntimeError, "gradient hook %zd: the gradient was copied "
-                             "into a slot that has no view", i);
-                goto done;
-            } else if (st == DDPC_OK && PyObject_SetAttr(p, g_str_grad, view) < 0) {
-                goto done;
             }
+            /* A gradient to be copied stays .grad (which holds it) until its bucket's copies are
+             * queued, together; then .grad becomes the slot. Not before: a second gradient of
+             * the same step would be added into a slot that has not received the first. */
         } else {
             st = ddpc_reducer_mark_ready(r->r, (int)i, stream);
         }
+        if (st == DDPC_OK && attach_flushed(h, r, views) < 0) goto done;
         if (st != DDPC_OK) {
             raise_status(state_of_type(Py_TYPE(r)), st);
             name_parameter_error(h, i);
@@ -1585,6 +1696,17 @@ static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *k
         if (handled) return ret;
     }
     return PyObject_CallFunctionObjArgs(h->slow, p, self->index_obj, NULL);
+}
+
+static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *kw) {
+    GradHooksObject *h = self->hooks;
+    Py_INCREF(h);
+    uint64_t t0 = ddpc_now_ns();
+    PyObject *ret = GradHook_run(self, args, kw);
+    h->hook_ns += ddpc_now_ns() - t0;
+    h->calls++;
+    Py_DECREF(h);
+    return ret;
 }
 
 static PyType_Slot GradHook_slots[] = {

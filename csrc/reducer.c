@@ -10,6 +10,14 @@
 /* Slots start on this boundary so vectorized optimizer kernels see aligned gradients. */
 #define SLOT_ALIGN_BYTES 16
 
+enum { DUE_CAST = 1, DUE_COPY = 2 };
+
+/* Gradients to be copied into a bucket wait for each other only while they hold this many bytes:
+ * each keeps the tensor autograd made alive until then, and training on one GPU frees it at once.
+ * Small ones (biases, norms: most of a transformer's parameters) share a launch; a large one
+ * goes at once, with those waiting, as when each went alone. */
+#define COPY_BATCH_BYTES ((size_t)1 << 20)
+
 typedef struct Bucket {
     ddpc_dtype dtype;
     int device;
@@ -23,6 +31,9 @@ typedef struct Bucket {
     int released;       /* the caller took its memory back until the bucket's gradients arrive */
     int pending;        /* parameters not yet ready this step */
     int ndirect;        /* of them, how many went straight to the wire (see mark_ready_grad) */
+    int ndue;           /* gradients whose copy or cast is still to be queued (flush_due) */
+    size_t due_copy_bytes; /* of them, the bytes of those to be copied */
+    uintptr_t due_stream; /* the stream those go on: the one their gradients came on */
     int launched;
     DdpcWork *work;     /* in flight between launch and the end of finalize */
 } Bucket;
@@ -46,11 +57,19 @@ struct DdpcReducer {
     int *ready_count;
     uint8_t *direct;      /* the gradient went to the wire from where autograd left it... */
     void **grad_at;       /* ...which is here, and the reduced values go back there */
+    uint8_t *due;         /* DUE_CAST / DUE_COPY: the gradient at grad_at waits to be cast to
+                           * the wire / copied into its slot, with the rest of its bucket's */
+    int *flushed;         /* parameters whose copy was queued since ddpc_reducer_take_flushed */
+    int nflushed;
+    uint8_t *listed;      /* in flushed (each at most once: it has room for every parameter) */
+    int batch;            /* copies and casts wait for their bucket (DDPC_GRAD_BATCH=0: not) */
     int *seen;            /* parameters in the order they became ready */
     int nseen;
     /* the last finished step */
     int *last_order;
     int *last_count;
+    /* host time (ns) spent queueing device work, for ddpc_reducer_host_times */
+    uint64_t copy_ns, launch_ns, finalize_ns;
 };
 
 static ddpc_status alloc_array(void **p, size_t n, size_t size, const char *what) {
@@ -190,6 +209,9 @@ static void free_arrays(DdpcReducer *r) {
     free(r->ready_count);
     free(r->direct);
     free(r->grad_at);
+    free(r->due);
+    free(r->flushed);
+    free(r->listed);
     free(r->seen);
     free(r->last_order);
     free(r->last_count);
@@ -213,6 +235,8 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
     DDPC_CHECK_GOTO(alloc_array((void **)&r, 1, sizeof *r, "state"), st, fail);
     r->g = g;
     r->nparams = nparams;
+    const char *batch = getenv("DDPC_GRAD_BATCH");
+    r->batch = !(batch && strcmp(batch, "0") == 0);
     size_t n = (size_t)nparams;
     DDPC_CHECK_GOTO(alloc_array((void **)&r->numels, n, sizeof *r->numels, "numels"), st, fail);
     DDPC_CHECK_GOTO(alloc_array((void **)&r->dtypes, n, sizeof *r->dtypes, "dtypes"), st, fail);
@@ -229,6 +253,9 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
     DDPC_CHECK_GOTO(alloc_array((void **)&r->direct, n, 1, "direct flags"), st, fail);
     DDPC_CHECK_GOTO(alloc_array((void **)&r->grad_at, n, sizeof(void *), "gradient addresses"), st,
                     fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->due, n, 1, "queued copies"), st, fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->flushed, n, sizeof(int), "copied list"), st, fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&r->listed, n, 1, "copied flags"), st, fail);
     DDPC_CHECK_GOTO(alloc_array((void **)&r->seen, n, sizeof(int), "ready order"), st, fail);
     DDPC_CHECK_GOTO(alloc_array((void **)&r->last_order, n, sizeof(int), "observed order"), st,
                     fail);
@@ -420,11 +447,16 @@ static void reset_step(DdpcReducer *r) {
     memset(r->ready_count, 0, (size_t)r->nparams * sizeof(int));
     memset(r->direct, 0, (size_t)r->nparams);
     memset(r->grad_at, 0, (size_t)r->nparams * sizeof(void *));
+    memset(r->due, 0, (size_t)r->nparams);
+    memset(r->listed, 0, (size_t)r->nparams);
+    r->nflushed = 0;
     r->nseen = 0;
     r->next_launch = 0;
     for (int b = 0; b < r->nbuckets; b++) {
         r->buckets[b].pending = r->buckets[b].nparams;
         r->buckets[b].ndirect = 0;
+        r->buckets[b].ndue = 0;
+        r->buckets[b].due_copy_bytes = 0;
         r->buckets[b].launched = 0;
     }
 }
@@ -467,10 +499,10 @@ static ddpc_status cast_slots(const Bucket *bk, void *dst, ddpc_dtype dst_dt, co
 
 /* Casts between each wire slot of bk and where its parameter's gradient lies, for the
  * parameters whose direct flag equals `direct` (direct: the gradient autograd left, grad_at;
- * else its bucket slot): into the wire when to_wire, else out of it. On a device, a few launches
- * for all of them. Called with r->mu held. */
+ * else its bucket slot) and, when `only` is given, whose flag there is set: into the wire when
+ * to_wire, else out of it. On a device, a few launches for all of them. Called with r->mu held. */
 static ddpc_status cast_params(DdpcReducer *r, const Bucket *bk, int direct, int to_wire,
-                               uintptr_t stream) {
+                               const uint8_t *only, uintptr_t stream) {
     ddpc_dtype cdt = (ddpc_dtype)bk->comm_dtype;
     size_t csz = ddpc_dtype_size(cdt), esz = ddpc_dtype_size(bk->dtype);
     enum { BATCH = 64 };
@@ -491,7 +523,7 @@ static ddpc_status cast_params(DdpcReducer *r, const Bucket *bk, int direct, int
         }
         if (j == bk->nparams) break;
         int p = r->bucket_params[bk->first + j];
-        if (r->direct[p] != direct) continue;
+        if (r->direct[p] != direct || (only && !only[p])) continue;
         char *wire = (char *)bk->comm_buf + r->param_offset[p] * csz;
         char *grad = direct ? (char *)r->grad_at[p] : (char *)bk->buf + r->param_offset[p] * esz;
         dsts[n] = to_wire ? wire : grad;
@@ -502,10 +534,80 @@ static ddpc_status cast_params(DdpcReducer *r, const Bucket *bk, int direct, int
     return DDPC_OK;
 }
 
-static ddpc_status launch(DdpcReducer *r, int b, uintptr_t stream) {
+/* Queues the copies into slots and casts to the wire that bk's gradients wait for, in a few
+ * launches on the stream they came on. The copied ones join r->flushed: their caller may now
+ * point the parameters' .grad at their slots. Called with r->mu held. */
+static ddpc_status flush_due(DdpcReducer *r, Bucket *bk) {
+    if (!bk->ndue) return DDPC_OK;
+    enum { BATCH = 64 };
+    void *dsts[BATCH];
+    const void *srcs[BATCH];
+    size_t counts[BATCH];
+    size_t esz = ddpc_dtype_size(bk->dtype);
+    int n = 0;
+    for (int j = 0; j <= bk->nparams; j++) {
+        if (n == BATCH || (j == bk->nparams && n > 0)) {
+            if (bk->device < 0) {
+                for (int k = 0; k < n; k++) memcpy(dsts[k], srcs[k], counts[k] * esz);
+            } else {
+                DDPC_CHECK(ddpc_device_cast_many(n, dsts, bk->dtype, srcs, bk->dtype, counts,
+                                                 bk->due_stream));
+            }
+            n = 0;
+        }
+        if (j == bk->nparams) break;
+        int p = r->bucket_params[bk->first + j];
+        if (r->due[p] != DUE_COPY) continue;
+        dsts[n] = (char *)bk->buf + r->param_offset[p] * esz;
+        srcs[n] = r->grad_at[p];
+        counts[n] = r->numels[p];
+        n++;
+        if (!r->listed[p]) {
+            r->listed[p] = 1;
+            r->flushed[r->nflushed++] = p;
+        }
+    }
+    DDPC_CHECK(cast_params(r, bk, 1, 1, r->due, bk->due_stream));
+    for (int j = 0; j < bk->nparams; j++) {
+        int p = r->bucket_params[bk->first + j];
+        if (r->due[p] == DUE_COPY) r->grad_at[p] = NULL;
+        r->due[p] = 0;
+    }
+    bk->ndue = 0;
+    bk->due_copy_bytes = 0;
+    return DDPC_OK;
+}
+
+/* Parameter i's gradient at src waits to be copied or cast (what) with the rest of its bucket's,
+ * on stream: one launch per bucket rather than one per gradient, which the host issuing a
+ * backward is short of. Those queued on another stream go first, on theirs. */
+static ddpc_status set_due(DdpcReducer *r, int i, int what, const void *src, uintptr_t stream) {
+    Bucket *bk = &r->buckets[r->param_bucket[i]];
+    size_t bytes = r->numels[i] * ddpc_dtype_size(r->dtypes[i]);
+    if (bk->ndue && bk->due_stream != stream) DDPC_CHECK(flush_due(r, bk));
+    if (r->due[i] == DUE_COPY) bk->due_copy_bytes -= bytes; /* (a newer gradient replaces it) */
+    if (!r->due[i]) bk->ndue++;
+    r->due[i] = (uint8_t)what;
+    r->grad_at[i] = (void *)src;
+    bk->due_stream = stream;
+    if (what == DUE_COPY) bk->due_copy_bytes += bytes;
+    return !r->batch || bk->due_copy_bytes >= COPY_BATCH_BYTES ? flush_due(r, bk) : DDPC_OK;
+}
+
+/* Parameter i's gradient lies in its slot after all: nothing of it waits any more. */
+static void clear_due(DdpcReducer *r, int i) {
+    if (!r->due[i]) return;
+    Bucket *bk = &r->buckets[r->param_bucket[i]];
+    if (r->due[i] == DUE_COPY) bk->due_copy_bytes -= r->numels[i] * ddpc_dtype_size(r->dtypes[i]);
+    r->due[i] = 0;
+    bk->ndue--;
+}
+
+static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
     Bucket *bk = &r->buckets[b];
     bk->launched = 1;
     if (!bk->count) return DDPC_OK;
+    DDPC_CHECK(flush_due(r, bk));
     void *wire = bk->buf;
     ddpc_dtype dt = bk->dtype;
     if (bk->comm_dtype >= 0) {
@@ -513,7 +615,7 @@ static ddpc_status launch(DdpcReducer *r, int b, uintptr_t stream) {
         if (bk->ndirect == 0)
             DDPC_CHECK(cast_slots(bk, bk->comm_buf, cdt, bk->buf, bk->dtype, 0, bk->count, stream));
         else /* the gradients in their slots join those cast to the wire on arrival */
-            DDPC_CHECK(cast_params(r, bk, 0, 1, stream));
+            DDPC_CHECK(cast_params(r, bk, 0, 1, NULL, stream));
         wire = bk->comm_buf;
         dt = cdt;
     }
@@ -531,6 +633,13 @@ static ddpc_status launch(DdpcReducer *r, int b, uintptr_t stream) {
     return DDPC_OK;
 }
 
+static ddpc_status launch(DdpcReducer *r, int b, uintptr_t stream) {
+    uint64_t t0 = ddpc_now_ns();
+    ddpc_status st = launch_bucket(r, b, stream);
+    r->launch_ns += ddpc_now_ns() - t0;
+    return st;
+}
+
 /* Launches buckets in index order while the next one is complete, so every rank posts the same
  * collectives in the same order whatever order its gradients arrive in. */
 static ddpc_status launch_complete(DdpcReducer *r, uintptr_t stream) {
@@ -543,38 +652,32 @@ static ddpc_status launch_complete(DdpcReducer *r, uintptr_t stream) {
     return DDPC_OK;
 }
 
-/* Copies parameter i's gradient (numels[i] dense elements of its dtype at src, on the bucket's
- * device) into its slot, ordered on stream. Called with r->mu held, before the bucket launches. */
+/* Takes parameter i's gradient (numels[i] dense elements of its dtype at src, on the bucket's
+ * device) into its slot: the copy waits for the rest of its bucket's (set_due) while they hold
+ * under COPY_BATCH_BYTES, so the caller keeps src alive, and .grad on it, until
+ * ddpc_reducer_take_flushed lists the parameter. Called with r->mu held, before the bucket
+ * launches. */
 static ddpc_status copy_into_slot(DdpcReducer *r, int i, const void *src, uintptr_t stream) {
     const Bucket *bk = &r->buckets[r->param_bucket[i]];
-    size_t esize = ddpc_dtype_size(r->dtypes[i]);
-    char *dst = (char *)bk->buf + r->param_offset[i] * esize;
-    size_t bytes = r->numels[i] * esize;
-    if (!bytes || dst == (const char *)src) return DDPC_OK;
-    if (bk->device < 0) {
-        memcpy(dst, src, bytes);
+    const char *dst = (const char *)bk->buf + r->param_offset[i] * ddpc_dtype_size(r->dtypes[i]);
+    if (!r->numels[i] || dst == (const char *)src) {
+        clear_due(r, i);
         return DDPC_OK;
     }
-    return ddpc_device_copy(dst, src, bytes, stream);
+    return set_due(r, i, DUE_COPY, src, stream);
 }
 
-/* Casts parameter i's gradient at src (where autograd left it) straight into its slot of the
- * wire buffer, and remembers where it lies so finalize can write the reduced values back there.
+/* Takes parameter i's gradient at src (where autograd left it) straight to its slot of the wire
+ * buffer, and remembers where it lies so finalize can write the reduced values back there. The
+ * cast waits for the rest of the bucket's (set_due); the caller keeps src alive until finalize.
  * Called with r->mu held, before the bucket launches. */
 static ddpc_status cast_to_wire(DdpcReducer *r, int i, const void *src, uintptr_t stream) {
     Bucket *bk = &r->buckets[r->param_bucket[i]];
-    ddpc_dtype cdt = (ddpc_dtype)bk->comm_dtype;
-    void *dst = (char *)bk->comm_buf + r->param_offset[i] * ddpc_dtype_size(cdt);
-    if (r->numels[i] && bk->device < 0)
-        DDPC_CHECK(ddpc_convert_host(dst, cdt, src, r->dtypes[i], r->numels[i]));
-    else if (r->numels[i])
-        DDPC_CHECK(ddpc_device_cast(dst, cdt, src, r->dtypes[i], r->numels[i], 1.0f, stream));
-    if (!r->direct[i]) {
+    if (!r->direct[i]) { /* (first: the cast goes to the wire slots of direct parameters) */
         r->direct[i] = 1;
         bk->ndirect++;
     }
-    r->grad_at[i] = (void *)src;
-    return DDPC_OK;
+    return set_due(r, i, DUE_CAST, src, stream);
 }
 
 /* Takes parameter i's gradient: already in its slot (src NULL), to be copied there (src, how
@@ -587,6 +690,7 @@ static ddpc_status mark_ready(DdpcReducer *r, int i, uintptr_t stream, const voi
     ddpc_status st = DDPC_OK;
     if (direct) *direct = 0;
     pthread_mutex_lock(&r->mu);
+    uint64_t t0 = ddpc_now_ns();
     Bucket *bk = &r->buckets[r->param_bucket[i]];
     int to_wire = how == 2 && src && bk->comm_dtype >= 0 && bk->comm_buf;
     if (!r->step_active) {
@@ -608,14 +712,20 @@ static ddpc_status mark_ready(DdpcReducer *r, int i, uintptr_t stream, const voi
                             r->param_bucket[i]);
         else if (to_wire)
             st = cast_to_wire(r, i, src, stream);
-        else if (!r->direct[i] && src)
-            st = copy_into_slot(r, i, src, stream);
-        else if (r->direct[i] && (!src || (st = copy_into_slot(r, i, src, stream)) == DDPC_OK)) {
-            /* It went to the wire before and now lies in its slot: the launch takes it from
-             * there, and finalize leaves the reduced values there. */
-            r->direct[i] = 0;
-            bk->ndirect--;
-            r->grad_at[i] = NULL;
+        else {
+            /* Copied into its slot (src) or there already: whatever waited goes from there, and
+             * one that went to the wire before stays in the slot, where finalize leaves the
+             * reduced values. */
+            if (src) {
+                st = copy_into_slot(r, i, src, stream);
+            } else {
+                clear_due(r, i);
+                r->grad_at[i] = NULL;
+            }
+            if (st == DDPC_OK && r->direct[i]) {
+                r->direct[i] = 0;
+                bk->ndirect--;
+            }
         }
     } else if (to_wire && (st = cast_to_wire(r, i, src, stream)) != DDPC_OK) {
         /* nothing marked: the caller's error says what failed */
@@ -626,8 +736,11 @@ static ddpc_status mark_ready(DdpcReducer *r, int i, uintptr_t stream, const voi
         r->ready_count[i]++;
         r->seen[r->nseen++] = i;
         bk->pending--;
+        r->copy_ns += ddpc_now_ns() - t0; /* the launches count their own time */
+        t0 = 0;
         st = launch_complete(r, stream);
     }
+    if (t0) r->copy_ns += ddpc_now_ns() - t0;
     if (st == DDPC_OK && direct) *direct = r->direct[i];
     pthread_mutex_unlock(&r->mu);
     return st;
@@ -724,13 +837,14 @@ static ddpc_status unwire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
     if (bk->ndirect < bk->nparams)
         DDPC_CHECK(cast_slots(bk, bk->buf, bk->dtype, bk->comm_buf, (ddpc_dtype)bk->comm_dtype, 0,
                               bk->count, stream));
-    return bk->ndirect ? cast_params(r, bk, 1, 0, stream) : DDPC_OK;
+    return bk->ndirect ? cast_params(r, bk, 1, 0, NULL, stream) : DDPC_OK;
 }
 
 ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused) {
     ddpc_status st = DDPC_OK;
     int nunused = 0;
     pthread_mutex_lock(&r->mu);
+    uint64_t t0 = ddpc_now_ns(), launch0 = r->launch_ns;
     if (!r->step_active) {
         st = ddpc_error(DDPC_ERR_INVALID, "reducer: finalize without a step in progress (prepare "
                         "was not called, or finalize already ran)");
@@ -768,9 +882,31 @@ ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused)
     DDPC_TRACE("REDUCER", "rank %d finished a step: %d of %d parameters unused",
                ddpc_group_rank(r->g), nunused, r->nparams);
 out:
+    r->finalize_ns += ddpc_now_ns() - t0 - (r->launch_ns - launch0);
     pthread_mutex_unlock(&r->mu);
     if (unused) *unused = nunused;
     return st;
+}
+
+int ddpc_reducer_take_flushed(DdpcReducer *r, int *out) {
+    pthread_mutex_lock(&r->mu);
+    int n = r->nflushed;
+    for (int k = 0; k < n; k++) {
+        out[k] = r->flushed[k];
+        r->listed[out[k]] = 0;
+    }
+    r->nflushed = 0;
+    pthread_mutex_unlock(&r->mu);
+    return n;
+}
+
+void ddpc_reducer_host_times(DdpcReducer *r, uint64_t out[3], int reset) {
+    pthread_mutex_lock(&r->mu);
+    out[0] = r->copy_ns;
+    out[1] = r->launch_ns;
+    out[2] = r->finalize_ns;
+    if (reset) r->copy_ns = r->launch_ns = r->finalize_ns = 0;
+    pthread_mutex_unlock(&r->mu);
 }
 
 ddpc_status ddpc_reducer_observed_order(const DdpcReducer *r, int *order, int *ready_count) {

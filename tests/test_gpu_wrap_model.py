@@ -743,9 +743,9 @@ def check_memory(runs: Dict[int, Dict[str, Any]]) -> None:
         assert len(r["views"]) == 4 and all(r["views"]), r["views"]
         grads = r["grad_mib"]
         # What ddpc may add to single-GPU training: one parameter's freshly computed gradient
-        # before it is added into its bucket slot, and the activations alive while the buckets
-        # (unlike gradients set to None) already exist. An extra copy of the gradients would
-        # add grad_mib (48 MiB).
+        # before it is copied into its bucket slot, up to 1 MiB of small ones waiting to be
+        # copied together, and the activations alive while the buckets (unlike gradients set to
+        # None) already exist. An extra copy of the gradients would add grad_mib (48 MiB).
         margin = r["largest_param_mib"] + 4
         assert r["ddpc"] <= r["single"] + margin, r
         assert r["ddpc_bf16"] <= r["single"] + grads / 2 + margin, r  # + the bf16 wire buffers

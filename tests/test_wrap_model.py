@@ -373,6 +373,26 @@ def sc_zero_grad(rank):
     return out
 
 
+def sc_host_times(rank):
+    """DistributedModel.host_times(): what three synced steps and one no_sync step cost the
+    wrapper on the host, then what is left after the reset."""
+    import ddpc
+    model = make(MLP, rank, torch.float64)
+    wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL)
+    wrapped.host_times()  # (construction is not a step)
+    for step in range(3):
+        x, y = batch(90 + step)
+        for p in model.parameters():
+            p.grad = None
+        mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+    synced = wrapped.host_times(reset=False)
+    with wrapped.no_sync():
+        x, y = batch(93)
+        mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+    return {"synced": synced, "after_no_sync": wrapped.host_times(), "reset": wrapped.host_times(),
+            "nparams": len(list(model.parameters()))}
+
+
 def sc_retain_graph(rank):
     """Two backward passes through one forward's graph: both are averaged."""
     import ddpc
@@ -616,6 +636,7 @@ SCENARIOS = [
     ("memory_format", sc_memory_format),
     ("failed_backward", sc_failed_backward),
     ("fresh_slots", sc_fresh_slots),
+    ("host_times", sc_host_times),
 ]
 
 
@@ -700,6 +721,20 @@ def test_zero_grad_modes_keep_grads_as_bucket_views(runs):
 def test_second_backward_through_the_same_graph_is_averaged_too(runs):
     for r in result(runs, "retain_graph"):
         assert max(r["errs"]) < 1e-12, r["errs"]
+
+
+def test_host_times_account_for_the_wrappers_own_host_work(runs):
+    for r in result(runs, "host_times"):
+        t, n = r["synced"], r["nparams"]
+        assert t["steps"] == 3 and t["hook_calls"] == 3 * n, t
+        assert t["forward"] > 0 and t["end_of_backward"] > 0 and t["wire"] == 0, t
+        # queueing copies and collectives happens inside the hooks (or at the end of backward)
+        assert 0 < t["mark"] <= t["hooks"] and 0 < t["launch"] <= t["hooks"] + t[
+            "end_of_backward"], t
+        nosync = r["after_no_sync"]
+        assert nosync["steps"] == 3 and nosync["hook_calls"] == 4 * n, nosync
+        assert nosync["hooks"] > t["hooks"] and nosync["forward"] > t["forward"], nosync
+        assert all(v == 0 for v in r["reset"].values()), r["reset"]
 
 
 def test_bf16_reduction_is_close_to_fp32(runs):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import sys
+import time
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -258,6 +259,7 @@ class DistributedModel(torch.nn.Module):
                  grad_dtype: Optional[torch.dtype], group: Any) -> None:
         super().__init__()
         self._fwd_stream = 0
+        self._host_ns = {"forward": 0, "end_of_backward": 0, "steps": 0}  # host_times()
         self.module = module
         self._group = group
         self._world = group.world_size
@@ -295,6 +297,7 @@ class DistributedModel(torch.nn.Module):
         # cases call the Python slow path, which holds the wrapper only weakly (the parameters
         # keep their hooks alive, and the wrapper keeps the parameters).
         self._grad_hooks = _C.GradHooks(self._make_slow_hook(weakref.ref(self)), list(self._names))
+        self._grad_hooks.params = self._params
         if self._device.type == "cuda":
             # The hooks copy and mark gradients on the stream autograd runs each one on (the
             # current stream inside the hook), read through this call.
@@ -302,6 +305,7 @@ class DistributedModel(torch.nn.Module):
                                                       None)
             self._grad_hooks.device = self._device.index
         self._grad_hooks.need_wire = self._make_need_wire(weakref.ref(self))
+        self._grad_hooks.need_memory = self._make_need_memory(weakref.ref(self))
         self._sync_hooks()
         handles = [p.register_post_accumulate_grad_hook(_C.GradHook(self._grad_hooks, i))
                    for i, p in enumerate(self._params)]
@@ -441,6 +445,13 @@ class DistributedModel(torch.nn.Module):
         self._reducer.set_bucket_wire(b, wire.data_ptr(), wire)
         self._wires[b] = wire
 
+    def _attach_flushed(self) -> None:
+        """Points .grad at the slots of the parameters whose gradients the reducer has copied
+        there since the last call: it copies a bucket's in one batch when the bucket launches,
+        and until then each stays on the gradient autograd made (the C hooks do the same)."""
+        for j in self._reducer.take_flushed():
+            self._params[j].grad = self._views[j]
+
     def _drop_wires(self) -> None:
         """After the step's finalize: the wire buffers go back to the allocator. Their last
         readers (the casts back) are queued on the stream that finalize ran on (current here),
@@ -534,6 +545,14 @@ class DistributedModel(torch.nn.Module):
         return need_wire
 
     @staticmethod
+    def _make_need_memory(ref: Any) -> Any:
+        def need_memory(i: int, g: torch.Tensor) -> None:
+            model = ref()
+            if model is not None:
+                model._slot_for(i, g)
+        return need_memory
+
+    @staticmethod
     def _make_slow_hook(ref: Any) -> Any:
         def hook(p: torch.Tensor, i: int) -> None:
             model = ref()
@@ -564,6 +583,7 @@ class DistributedModel(torch.nn.Module):
                     model._reducer.mark_ready(i, stream)
                 except ValueError as e:
                     raise ValueError(f"parameter '{model._names[i]}': {e}") from None
+                model._attach_flushed()
         return hook
 
     # ------------------------------------------------------------------ one step
@@ -635,12 +655,15 @@ class DistributedModel(torch.nn.Module):
     def _finalize(self) -> None:
         """End of backward: keeps the gradients of parameters that got none this step but hold an
         accumulated one (no_sync), zeroes the others, reduces everything and waits."""
+        t0 = time.perf_counter_ns()
         self._active = False
         self._finalize_queued = False
         self._grad_hooks.fast = False
         # Autograd may run this on any of its threads, whose current device may differ.
         with _on(self._device):
             self._finalize_on_device()
+        self._host_ns["end_of_backward"] += time.perf_counter_ns() - t0
+        self._host_ns["steps"] += 1
 
     def _finalize_on_device(self) -> None:
         reducer = self._reducer
@@ -668,6 +691,7 @@ class DistributedModel(torch.nn.Module):
                 p.grad = view
             reducer.mark_ready(i, stream)
         reducer.finalize(stream)
+        self._attach_flushed()
         self._drop_wires()
         if self._rebuild_pending:
             self._rebuild_pending = False
@@ -708,6 +732,7 @@ class DistributedModel(torch.nn.Module):
         (broadcast_buffers=True), points every param.grad at its bucket (or frees buckets whose
         gradients are all None), and, outside no_sync(), arms the reducer so the next backward
         averages gradients across ranks."""
+        t0 = time.perf_counter_ns()
         grad_on = torch.is_grad_enabled()
         if grad_on:
             if self._layout_stale:
@@ -735,10 +760,34 @@ class DistributedModel(torch.nn.Module):
                     self._active = False
                     self._reducer.prepare()
                 self._attach_grads()
+        t1 = time.perf_counter_ns()
         output = self.module(*inputs, **kwargs)
+        t2 = time.perf_counter_ns()
         if grad_on and self._require_sync:
             output = self._attach_sink(output)
+        self._host_ns["forward"] += t1 - t0 + time.perf_counter_ns() - t2
         return output
+
+    def host_times(self, reset: bool = True) -> Dict[str, float]:
+        """Where this wrapper's own host time went since the last reset (or since it was made),
+        in milliseconds, for finding what slows a step down: "forward" (the work around the
+        module's forward), "hooks" (the per-parameter gradient hooks, all of it) with "hook_calls"
+        and, inside it, "wire" (giving buckets their bf16/fp16 wire buffers), "mark" (queueing
+        each gradient's copy or cast) and "launch" (queueing each bucket's collective; also
+        counted in "hooks" or "end_of_backward", where it ran), and "end_of_backward" (the
+        reduction queued at the end of backward, its launches included), with "steps" (synced
+        backward passes finished). Totals; divide by "steps" for a step's share."""
+        h = self._grad_hooks
+        mark, launch, _ = (self._reducer.host_times(reset) if self._reducer is not None
+                           else (0.0, 0.0, 0.0))
+        out = {"steps": float(self._host_ns["steps"]),
+               "forward": self._host_ns["forward"] * 1e-6, "hooks": h.hook_ns * 1e-6,
+               "hook_calls": float(h.calls), "wire": h.wire_ns * 1e-6, "mark": mark,
+               "launch": launch, "end_of_backward": self._host_ns["end_of_backward"] * 1e-6}
+        if reset:
+            h.hook_ns = h.wire_ns = h.calls = 0
+            self._host_ns = dict.fromkeys(self._host_ns, 0)
+        return out
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -257,10 +257,22 @@ static void test_mark_ready_copy(void) {
     OK(ddpc_reducer_prepare(r));
     float g0[3] = {1, 2, 3}, g1[5] = {4, 5, 6, 7, 8};
     EXPECT(ddpc_reducer_mark_ready_copy(r, 0, NULL, 0) == DDPC_ERR_INVALID, "NULL source");
+    int flushed[2] = {-1, -1};
+    float stale[3] = {-1, -1, -1};
+    OK(ddpc_reducer_mark_ready_copy(r, 0, stale, 0));
+    /* the same gradient again before the launch (accumulated out of place): the newest goes */
     OK(ddpc_reducer_mark_ready_copy(r, 0, g0, 0));
     EXPECT(g_nlog == 0, "launched before the bucket was complete");
+    /* the copies wait for the bucket, to go in one batch; .grad stays on the source till then */
+    EXPECT(mem[off0] == -7.0f, "slot 0 written before the bucket was complete");
+    EXPECT(ddpc_reducer_take_flushed(r, flushed) == 0, "copied before the bucket was complete");
     OK(ddpc_reducer_mark_ready_copy(r, 1, g1, 0));
     EXPECT(g_nlog == 1, "%d collectives after the bucket was complete", g_nlog);
+    int nf = ddpc_reducer_take_flushed(r, flushed);
+    EXPECT(nf == 2 && ((flushed[0] == 0 && flushed[1] == 1) || (flushed[0] == 1 &&
+                                                                flushed[1] == 0)),
+           "%d parameters reported copied (%d %d)", nf, flushed[0], flushed[1]);
+    EXPECT(ddpc_reducer_take_flushed(r, flushed) == 0, "reported copied twice");
     for (int k = 0; k < 3; k++)
         EXPECT(mem[off0 + k] == g0[k], "slot 0[%d] = %g", k, (double)mem[off0 + k]);
     for (int k = 0; k < 5; k++)
@@ -274,8 +286,80 @@ static void test_mark_ready_copy(void) {
     OK(ddpc_reducer_finalize(r, 0, &unused));
     EXPECT(unused == 0, "unused %d", unused);
     clear_log();
+
+    /* a gradient queued for copying that then lies in its slot (the Python path copied a newer
+     * one there) goes from the slot: the queued copy is dropped */
+    OK(ddpc_reducer_prepare(r));
+    OK(ddpc_reducer_mark_ready_copy(r, 0, stale, 0));
+    for (int k = 0; k < 3; k++) mem[off0 + k] = 5.0f;
+    OK(ddpc_reducer_mark_ready(r, 0, 0));
+    OK(ddpc_reducer_mark_ready_copy(r, 1, g1, 0));
+    nf = ddpc_reducer_take_flushed(r, flushed);
+    EXPECT(nf == 1 && flushed[0] == 1, "%d reported copied (%d)", nf, flushed[0]);
+    OK(ddpc_reducer_finalize(r, 0, &unused));
+    EXPECT(mem[off0] == 3.0f && mem[off1] == 2.5f, "slot 0 %g (5 averaged: 3), slot 1 %g",
+           (double)mem[off0], (double)mem[off1]);
+    clear_log();
+    ddpc_reducer_destroy(r);
+
+    /* DDPC_GRAD_BATCH=0 (read when a reducer is made): each copy goes as its gradient arrives */
+    setenv("DDPC_GRAD_BATCH", "0", 1);
+    OK(ddpc_reducer_create(&g_group, 2, numels, dts, devs, order, NULL, 1000, 1000, -1, &r));
+    unsetenv("DDPC_GRAD_BATCH");
+    if (!r) return;
+    OK(ddpc_reducer_set_bucket_memory(r, 0, mem));
+    OK(ddpc_reducer_prepare(r));
+    OK(ddpc_reducer_mark_ready_copy(r, 0, g0, 0));
+    nf = ddpc_reducer_take_flushed(r, flushed);
+    EXPECT(mem[off0] == g0[0] && nf == 1 && flushed[0] == 0, "unbatched: slot %g, %d reported",
+           (double)mem[off0], nf);
+    OK(ddpc_reducer_mark_ready_copy(r, 1, g1, 0));
+    OK(ddpc_reducer_finalize(r, 0, &unused));
+    clear_log();
     ddpc_reducer_destroy(r);
     free(mem);
+}
+
+/* Gradients to be copied wait for their bucket only while they hold under 1 MiB: a large one
+ * goes at once, with the small ones waiting, so training holds little more than one GPU would. */
+static void test_copy_batch_bound(void) {
+    size_t numels[3] = {3, 300000, 5}; /* the middle one 1.2 MB of float32 */
+    ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
+    int devs[3] = {-1, -1, -1};
+    int order[3] = {0, 1, 2};
+    DdpcReducer *r = NULL;
+    OK(ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 1 << 24, 1 << 24, -1,
+                           &r));
+    if (!r) return;
+    ddpc_dtype dt;
+    int dev, b, flushed[3], nf;
+    size_t count, off[3];
+    OK(ddpc_reducer_bucket_info(r, 0, &dt, &dev, &count));
+    EXPECT(ddpc_reducer_num_buckets(r) == 1, "one bucket expected");
+    for (int i = 0; i < 3; i++) OK(ddpc_reducer_param_slot(r, i, &b, &off[i]));
+    float *mem = calloc(count, sizeof(float)), *big = malloc(300000 * sizeof(float));
+    float small0[3] = {1, 1, 1}, small2[5] = {2, 2, 2, 2, 2};
+    for (int k = 0; k < 300000; k++) big[k] = 3.0f;
+    OK(ddpc_reducer_set_bucket_memory(r, 0, mem));
+    OK(ddpc_reducer_prepare(r));
+    OK(ddpc_reducer_mark_ready_copy(r, 0, small0, 0));
+    EXPECT(ddpc_reducer_take_flushed(r, flushed) == 0 && mem[off[0]] == 0.0f,
+           "a 12-byte gradient was copied alone");
+    OK(ddpc_reducer_mark_ready_copy(r, 1, big, 0));
+    nf = ddpc_reducer_take_flushed(r, flushed);
+    EXPECT(nf == 2 && mem[off[0]] == 1.0f && mem[off[1] + 299999] == 3.0f,
+           "the 1.2 MB gradient waited (%d copied)", nf);
+    EXPECT(g_nlog == 0, "launched before the bucket was complete");
+    OK(ddpc_reducer_mark_ready_copy(r, 2, small2, 0));
+    nf = ddpc_reducer_take_flushed(r, flushed);
+    EXPECT(nf == 1 && flushed[0] == 2 && g_nlog == 1, "%d copied at the launch", nf);
+    int unused = -1;
+    OK(ddpc_reducer_finalize(r, 0, &unused));
+    EXPECT(mem[off[2]] == 1.5f, "slot 2 = %g", (double)mem[off[2]]);
+    clear_log();
+    ddpc_reducer_destroy(r);
+    free(mem);
+    free(big);
 }
 
 static float bf16_value(const uint16_t *e) {
@@ -333,13 +417,16 @@ static void test_mark_ready_grad_to_wire(void) {
     EXPECT(ddpc_reducer_mark_ready(r, 0, 0) == DDPC_ERR_INVALID, "in-slot mark without memory");
     EXPECT(ddpc_reducer_mark_ready_grad(r, 0, NULL, 0, &direct) == DDPC_ERR_INVALID,
            "NULL source");
+    float before0 = bf16_value(&wire[off[0]]), before1 = bf16_value(&wire[off[1] + 4]);
     OK(ddpc_reducer_mark_ready_grad(r, 0, g0, 0, &direct));
     EXPECT(direct == 1, "direct %d", direct);
-    EXPECT(bf16_value(&wire[off[0]]) == 2.0f, "wire slot 0 = %g", (double)bf16_value(&wire[off[0]]));
+    /* the casts wait for the bucket's launch, to go in one batch */
+    EXPECT(bf16_value(&wire[off[0]]) == before0, "wire slot 0 = %g before the launch",
+           (double)bf16_value(&wire[off[0]]));
     OK(ddpc_reducer_mark_ready_grad(r, 1, g1, 0, &direct));
     /* the same gradient again (accumulated twice) before the launch: the newest is sent */
     OK(ddpc_reducer_mark_ready_grad(r, 1, g1b, 0, &direct));
-    EXPECT(bf16_value(&wire[off[1] + 4]) == 6.0f, "wire slot 1 holds the first gradient");
+    EXPECT(bf16_value(&wire[off[1] + 4]) == before1, "wire slot 1 written before the launch");
     EXPECT(g_nlog == 0, "launched before the bucket was complete");
     EXPECT(ddpc_reducer_set_bucket_wire(r, 0, wire + 1) == DDPC_ERR_INVALID,
            "the wire changed after gradients were cast into it");
@@ -385,6 +472,29 @@ static void test_mark_ready_grad_to_wire(void) {
            "mixed: slot %g, wire %g, copied %g", (double)mem[off[0]], (double)g1[0],
            (double)mem[off[2]]);
     clear_log();
+
+    /* step 4: queued casts go per stream: a gradient on another stream first sends those queued
+     * on the old one; a gradient that went to the wire and then lies in its slot (accumulated
+     * there) goes from the slot, and its queued cast is dropped */
+    OK(ddpc_reducer_prepare(r));
+    float h0[3] = {2, 2, 2}, h1[5] = {4, 4, 4, 4, 4};
+    float wire0 = bf16_value(&wire[off[0]]), wire1 = bf16_value(&wire[off[1]]);
+    OK(ddpc_reducer_mark_ready_grad(r, 0, h0, 0, &direct));
+    EXPECT(bf16_value(&wire[off[0]]) == wire0, "cast before the launch or a stream change");
+    OK(ddpc_reducer_mark_ready_grad(r, 1, h1, 1, &direct));
+    EXPECT(bf16_value(&wire[off[0]]) == 2.0f, "the cast queued on stream 0 waited for stream 1: "
+           "%g", (double)bf16_value(&wire[off[0]]));
+    EXPECT(bf16_value(&wire[off[1]]) == wire1, "the cast on stream 1 went early");
+    for (int k = 0; k < 5; k++) mem[off[1] + k] = 8.0f;
+    OK(ddpc_reducer_mark_ready(r, 1, 1));
+    for (int k = 0; k < 5; k++) h1[k] = 100.0f; /* read from here now would be wrong */
+    OK(ddpc_reducer_mark_ready_copy(r, 2, g2, 1));
+    EXPECT(g_nlog == 1, "%d collectives", g_nlog);
+    OK(ddpc_reducer_finalize(r, 1, &unused));
+    EXPECT(h0[0] == 1.5f && mem[off[1]] == 4.5f && h1[0] == 100.0f && mem[off[2]] == 2.75f,
+           "per stream: wire %g, slot %g (the dropped source %g), copied %g", (double)h0[0],
+           (double)mem[off[1]], (double)h1[0], (double)mem[off[2]]);
+    clear_log();
     /* the wire goes back after the step, and memory given again does not bring one */
     OK(ddpc_reducer_set_bucket_wire(r, 0, NULL));
     OK(ddpc_reducer_set_bucket_memory(r, 0, mem));
@@ -428,9 +538,11 @@ static void test_bad_arguments(void) {
 }
 
 int main(void) {
+    unsetenv("DDPC_GRAD_BATCH"); /* the tests set it where they need it */
     test_assignment_and_launch_order();
     test_order_late_dtypes();
     test_mark_ready_copy();
+    test_copy_batch_bound();
     test_mark_ready_grad_to_wire();
     test_bad_arguments();
     clear_log();
