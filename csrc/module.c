@@ -1283,27 +1283,30 @@ static PyObject *GradHooks_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
     return (PyObject *)self;
 }
 
-/* The callable-or-None attributes of GradHooks: the getset closure says which member. */
+/* The object attributes of GradHooks (callables or None, lists): the getset closure says which
+ * member. */
 typedef struct {
     size_t offset;
     const char *name;
-} CallableSlot;
+} MemberSlot;
 
-static const CallableSlot g_need_wire_slot = {offsetof(GradHooksObject, need_wire), "need_wire"};
-static const CallableSlot g_need_memory_slot = {offsetof(GradHooksObject, need_memory),
-                                                "need_memory"};
-static const CallableSlot g_current_stream_slot = {offsetof(GradHooksObject, current_stream),
-                                                   "current_stream"};
+static const MemberSlot g_need_wire_slot = {offsetof(GradHooksObject, need_wire), "need_wire"};
+static const MemberSlot g_need_memory_slot = {offsetof(GradHooksObject, need_memory),
+                                              "need_memory"};
+static const MemberSlot g_current_stream_slot = {offsetof(GradHooksObject, current_stream),
+                                                 "current_stream"};
+static const MemberSlot g_views_slot = {offsetof(GradHooksObject, views), "views"};
+static const MemberSlot g_params_slot = {offsetof(GradHooksObject, params), "params"};
 
-static PyObject *GradHooks_get_callable(GradHooksObject *self, void *c) {
-    PyObject *v = *(PyObject **)((char *)self + ((const CallableSlot *)c)->offset);
+static PyObject *GradHooks_get_member(GradHooksObject *self, void *c) {
+    PyObject *v = *(PyObject **)((char *)self + ((const MemberSlot *)c)->offset);
     v = v ? v : Py_None;
     Py_INCREF(v);
     return v;
 }
 
 static int GradHooks_set_callable(GradHooksObject *self, PyObject *v, void *c) {
-    const CallableSlot *slot = c;
+    const MemberSlot *slot = c;
     if (v && v != Py_None && !PyCallable_Check(v)) {
         PyErr_Format(PyExc_TypeError, "GradHooks.%s must be callable or None", slot->name);
         return -1;
@@ -1337,57 +1340,33 @@ static int GradHooks_set_reducer(GradHooksObject *self, PyObject *v, void *c) {
     return 0;
 }
 
-static PyObject *GradHooks_get_views(GradHooksObject *self, void *c) {
-    (void)c;
-    PyObject *v = self->views ? self->views : Py_None;
-    Py_INCREF(v);
-    return v;
-}
-
-static int GradHooks_set_views(GradHooksObject *self, PyObject *v, void *c) {
-    (void)c;
+static int GradHooks_set_list(GradHooksObject *self, PyObject *v, void *c) {
+    const MemberSlot *slot = c;
     if (!v || !PyList_Check(v)) {
-        PyErr_SetString(PyExc_TypeError, "GradHooks.views must be a list");
+        PyErr_Format(PyExc_TypeError, "GradHooks.%s must be a list", slot->name);
         return -1;
     }
     Py_INCREF(v);
-    Py_XSETREF(self->views, v);
-    return 0;
-}
-
-static PyObject *GradHooks_get_params(GradHooksObject *self, void *c) {
-    (void)c;
-    PyObject *v = self->params ? self->params : Py_None;
-    Py_INCREF(v);
-    return v;
-}
-
-static int GradHooks_set_params(GradHooksObject *self, PyObject *v, void *c) {
-    (void)c;
-    if (!v || !PyList_Check(v)) {
-        PyErr_SetString(PyExc_TypeError, "GradHooks.params must be a list");
-        return -1;
-    }
-    Py_INCREF(v);
-    Py_XSETREF(self->params, v);
+    Py_XSETREF(*(PyObject **)((char *)self + slot->offset), v);
     return 0;
 }
 
 static PyGetSetDef GradHooks_getset[] = {
     {"reducer", (getter)GradHooks_get_reducer, (setter)GradHooks_set_reducer, NULL, NULL},
-    {"views", (getter)GradHooks_get_views, (setter)GradHooks_set_views, NULL, NULL},
-    {"params", (getter)GradHooks_get_params, (setter)GradHooks_set_params,
+    {"views", (getter)GradHooks_get_member, (setter)GradHooks_set_list,
+     "views[i] is parameter i's bucket slot, or None", (void *)&g_views_slot},
+    {"params", (getter)GradHooks_get_member, (setter)GradHooks_set_list,
      "the parameters (list), whose .grad the hooks point at their slots once the reducer has "
-     "copied their gradients there", NULL},
-    {"need_wire", (getter)GradHooks_get_callable, (setter)GradHooks_set_callable,
+     "copied their gradients there", (void *)&g_params_slot},
+    {"need_wire", (getter)GradHooks_get_member, (setter)GradHooks_set_callable,
      "callable(index) that gives parameter index's bucket its wire buffer (made for each step "
      "when the bucket's first gradient arrives), or None",
      (void *)&g_need_wire_slot},
-    {"need_memory", (getter)GradHooks_get_callable, (setter)GradHooks_set_callable,
+    {"need_memory", (getter)GradHooks_get_member, (setter)GradHooks_set_callable,
      "callable(index, grad) that gives parameter index's released bucket memory again (adopting "
      "grad as the bucket when it can), or None: the Python path does it",
      (void *)&g_need_memory_slot},
-    {"current_stream", (getter)GradHooks_get_callable, (setter)GradHooks_set_callable,
+    {"current_stream", (getter)GradHooks_get_member, (setter)GradHooks_set_callable,
      "callable(device) -> the handle of the current CUDA stream (None: use `stream`)",
      (void *)&g_current_stream_slot},
     {NULL, NULL, NULL, NULL, NULL},
