@@ -357,6 +357,26 @@ static void test_copy_batch_bound(void) {
     OK(ddpc_reducer_finalize(r, 0, &unused));
     EXPECT(mem[off[2]] == 1.5f, "slot 2 = %g", (double)mem[off[2]]);
     clear_log();
+
+    /* a gradient copied early (another came on another stream) and again (accumulated out of
+     * place) is reported once until the caller reads the list, which has room for each
+     * parameter once */
+    float newer0[3] = {5, 5, 5};
+    mem[off[0]] = 0.0f;
+    OK(ddpc_reducer_prepare(r));
+    OK(ddpc_reducer_mark_ready_copy(r, 0, small0, 0));
+    OK(ddpc_reducer_mark_ready_copy(r, 2, small2, 1)); /* the copy on stream 0 goes now */
+    EXPECT(mem[off[0]] == 1.0f, "slot 0 = %g: not copied at the stream change",
+           (double)mem[off[0]]);
+    OK(ddpc_reducer_mark_ready_copy(r, 0, newer0, 1));
+    OK(ddpc_reducer_mark_ready_copy(r, 1, big, 1));
+    nf = ddpc_reducer_take_flushed(r, flushed);
+    EXPECT(nf == 3 && flushed[0] + flushed[1] + flushed[2] == 3, "%d reported (%d %d %d)", nf,
+           flushed[0], flushed[1], flushed[2]);
+    OK(ddpc_reducer_finalize(r, 0, &unused));
+    EXPECT(mem[off[0]] == 3.0f, "slot 0 = %g: the newer gradient (5) averaged expected",
+           (double)mem[off[0]]);
+    clear_log();
     ddpc_reducer_destroy(r);
     free(mem);
     free(big);
