@@ -66,12 +66,9 @@ ddpc_status ddpc_device_zero(void *ptr, size_t bytes, uintptr_t stream) {
                       DDPC_NO_CUDA_HINT, bytes);
 }
 
-ddpc_status ddpc_device_copy(void *dst, const void *src, size_t bytes, uintptr_t stream) {
-    (void)dst;
-    (void)src;
-    (void)stream;
-    return ddpc_error(DDPC_ERR_UNAVAILABLE, "cannot copy %zu bytes of device memory: "
-                      DDPC_NO_CUDA_HINT, bytes);
+ddpc_status ddpc_device_stream_wait(uintptr_t waiter, uintptr_t signaler) {
+    if (waiter == signaler) return DDPC_OK;
+    return ddpc_error(DDPC_ERR_UNAVAILABLE, "cannot order CUDA streams: " DDPC_NO_CUDA_HINT);
 }
 
 ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,

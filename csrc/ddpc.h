@@ -318,6 +318,7 @@ int ddpc_reducer_unready(DdpcReducer *r, int *out);
 ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused);
 /* The order in which parameters became ready in the last finished step (nparams entries; -1 for
  * those never ready), and how many times each was marked ready. */
+ddpc_status ddpc_reducer_observed_order(const DdpcReducer *r, int *order, int *ready_count);
 /* The parameters whose gradient was copied into its slot (queued on the device) since the last
  * call, into out (room for every parameter); returns how many. A gradient to be copied waits for
  * the rest of its bucket's: until its parameter is listed here, the caller keeps the gradient
@@ -328,7 +329,6 @@ int ddpc_reducer_take_flushed(DdpcReducer *r, int *out);
  * the collective), [2] finalize apart from its launches (zeroing, waits queued on the stream,
  * casts back). For the wrapper's host_times() diagnostic. */
 void ddpc_reducer_host_times(DdpcReducer *r, uint64_t out[3], int reset);
-ddpc_status ddpc_reducer_observed_order(const DdpcReducer *r, int *order, int *ready_count);
 
 /* ---------------------------------------------------------------- distributed sampler */
 
@@ -362,8 +362,9 @@ ddpc_status ddpc_nccl_load(char *version, size_t version_len);
 /* Device helpers for the reducer (kernels.cu; DDPC_ERR_UNAVAILABLE in a CPU-only build). All are
  * queued on `stream` (a cudaStream_t as an integer) and checked with cudaGetLastError. */
 ddpc_status ddpc_device_zero(void *ptr, size_t bytes, uintptr_t stream);
-/* Device-to-device copy of bytes, ordered on stream. */
-ddpc_status ddpc_device_copy(void *dst, const void *src, size_t bytes, uintptr_t stream);
+/* Work queued on `waiter` from now on runs after the work queued on `signaler` so far (an event,
+ * never a host sync); nothing when they are the same stream. */
+ddpc_status ddpc_device_stream_wait(uintptr_t waiter, uintptr_t signaler);
 /* dst[i] = (dst_dt)(src[i] * scale) for float32/float16/bfloat16/float64 pairs. */
 ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
                              size_t n, float scale, uintptr_t stream);

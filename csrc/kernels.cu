@@ -230,12 +230,18 @@ ddpc_status ddpc_device_zero(void *ptr, size_t bytes, uintptr_t stream) {
     return DDPC_OK;
 }
 
-ddpc_status ddpc_device_copy(void *dst, const void *src, size_t bytes, uintptr_t stream) {
-    if (bytes == 0) return DDPC_OK;
-    if (!dst || !src)
-        return ddpc_error(DDPC_ERR_INVALID, "ddpc_device_copy: NULL pointer for %zu bytes", bytes);
-    DDPC_CUDACHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice,
-                                   reinterpret_cast<cudaStream_t>(stream)));
+ddpc_status ddpc_device_stream_wait(uintptr_t waiter, uintptr_t signaler) {
+    if (waiter == signaler) return DDPC_OK;
+    cudaEvent_t ev;
+    DDPC_CUDACHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    cudaError_t e = cudaEventRecord(ev, reinterpret_cast<cudaStream_t>(signaler));
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(waiter), ev, 0);
+    /* Destroying an event that a wait has captured is allowed: the wait still completes. */
+    cudaError_t d = cudaEventDestroy(ev);
+    if (e != cudaSuccess)
+        return ddpc_error(DDPC_ERR_CUDA, "ordering stream %#lx after stream %#lx failed: %s",
+                          (unsigned long)waiter, (unsigned long)signaler, cudaGetErrorString(e));
+    DDPC_CUDACHECK(d);
     return DDPC_OK;
 }
 

@@ -1512,19 +1512,26 @@ static int grad_copy_source(PyObject *grad, const void **src) {
 static int attach_flushed(GradHooksObject *h, ReducerObject *r, PyObject *views) {
     PyObject *done = reducer_take_flushed(r);
     if (!done) return -1;
+    PyObject *params = h->params; /* own references: setting .grad may run Python */
+    Py_XINCREF(params);
     int rc = 0;
     for (Py_ssize_t k = 0; k < PyList_GET_SIZE(done) && rc == 0; k++) {
         Py_ssize_t j = PyLong_AsSsize_t(PyList_GET_ITEM(done, k));
-        if (!h->params || j < 0 || j >= PyList_GET_SIZE(h->params) ||
-            j >= PyList_GET_SIZE(views) || PyList_GET_ITEM(views, j) == Py_None) {
+        if (!params || j < 0 || j >= PyList_GET_SIZE(params) || j >= PyList_GET_SIZE(views) ||
+            PyList_GET_ITEM(views, j) == Py_None) {
             PyErr_Format(PyExc_RuntimeError, "gradient hooks: parameter %zd was copied into a "
                          "slot that the hooks do not know", j);
             rc = -1;
-        } else {
-            rc = PyObject_SetAttr(PyList_GET_ITEM(h->params, j), g_str_grad,
-                                  PyList_GET_ITEM(views, j));
+            break;
         }
+        PyObject *p = PyList_GET_ITEM(params, j), *v = PyList_GET_ITEM(views, j);
+        Py_INCREF(p);
+        Py_INCREF(v);
+        rc = PyObject_SetAttr(p, g_str_grad, v);
+        Py_DECREF(v);
+        Py_DECREF(p);
     }
+    Py_XDECREF(params);
     Py_DECREF(done);
     return rc;
 }

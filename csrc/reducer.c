@@ -535,14 +535,17 @@ static ddpc_status cast_params(DdpcReducer *r, const Bucket *bk, int direct, int
 }
 
 /* Queues the copies into slots and casts to the wire that bk's gradients wait for, in a few
- * launches on the stream they came on. The copied ones join r->flushed: their caller may now
- * point the parameters' .grad at their slots. Called with r->mu held. */
-static ddpc_status flush_due(DdpcReducer *r, Bucket *bk) {
+ * launches on the stream they came on; then work queued on `then` comes after them (what
+ * autograd did to order the caller's streams happened before these were queued). The copied
+ * ones join r->flushed: their caller may now point the parameters' .grad at their slots. Called
+ * with r->mu held. */
+static ddpc_status flush_due(DdpcReducer *r, Bucket *bk, uintptr_t then) {
     if (!bk->ndue) return DDPC_OK;
     enum { BATCH = 64 };
     void *dsts[BATCH];
     const void *srcs[BATCH];
     size_t counts[BATCH];
+    int ps[BATCH];
     size_t esz = ddpc_dtype_size(bk->dtype);
     int n = 0;
     for (int j = 0; j <= bk->nparams; j++) {
@@ -553,6 +556,11 @@ static ddpc_status flush_due(DdpcReducer *r, Bucket *bk) {
                 DDPC_CHECK(ddpc_device_cast_many(n, dsts, bk->dtype, srcs, bk->dtype, counts,
                                                  bk->due_stream));
             }
+            for (int k = 0; k < n; k++) /* listed only once queued */
+                if (!r->listed[ps[k]]) {
+                    r->listed[ps[k]] = 1;
+                    r->flushed[r->nflushed++] = ps[k];
+                }
             n = 0;
         }
         if (j == bk->nparams) break;
@@ -561,13 +569,10 @@ static ddpc_status flush_due(DdpcReducer *r, Bucket *bk) {
         dsts[n] = (char *)bk->buf + r->param_offset[p] * esz;
         srcs[n] = r->grad_at[p];
         counts[n] = r->numels[p];
-        n++;
-        if (!r->listed[p]) {
-            r->listed[p] = 1;
-            r->flushed[r->nflushed++] = p;
-        }
+        ps[n++] = p;
     }
     DDPC_CHECK(cast_params(r, bk, 1, 1, r->due, bk->due_stream));
+    if (bk->device >= 0) DDPC_CHECK(ddpc_device_stream_wait(then, bk->due_stream));
     for (int j = 0; j < bk->nparams; j++) {
         int p = r->bucket_params[bk->first + j];
         if (r->due[p] == DUE_COPY) r->grad_at[p] = NULL;
@@ -578,23 +583,8 @@ static ddpc_status flush_due(DdpcReducer *r, Bucket *bk) {
     return DDPC_OK;
 }
 
-/* Parameter i's gradient at src waits to be copied or cast (what) with the rest of its bucket's,
- * on stream: one launch per bucket rather than one per gradient, which the host issuing a
- * backward is short of. Those queued on another stream go first, on theirs. */
-static ddpc_status set_due(DdpcReducer *r, int i, int what, const void *src, uintptr_t stream) {
-    Bucket *bk = &r->buckets[r->param_bucket[i]];
-    size_t bytes = r->numels[i] * ddpc_dtype_size(r->dtypes[i]);
-    if (bk->ndue && bk->due_stream != stream) DDPC_CHECK(flush_due(r, bk));
-    if (r->due[i] == DUE_COPY) bk->due_copy_bytes -= bytes; /* (a newer gradient replaces it) */
-    if (!r->due[i]) bk->ndue++;
-    r->due[i] = (uint8_t)what;
-    r->grad_at[i] = (void *)src;
-    bk->due_stream = stream;
-    if (what == DUE_COPY) bk->due_copy_bytes += bytes;
-    return !r->batch || bk->due_copy_bytes >= COPY_BATCH_BYTES ? flush_due(r, bk) : DDPC_OK;
-}
-
-/* Parameter i's gradient lies in its slot after all: nothing of it waits any more. */
+/* Nothing of parameter i's gradient waits any more: it lies in its slot after all, or a newer one
+ * replaces it (whose source is then never read). */
 static void clear_due(DdpcReducer *r, int i) {
     if (!r->due[i]) return;
     Bucket *bk = &r->buckets[r->param_bucket[i]];
@@ -603,11 +593,30 @@ static void clear_due(DdpcReducer *r, int i) {
     bk->ndue--;
 }
 
+/* Parameter i's gradient at src waits to be copied or cast (what) with the rest of its bucket's,
+ * on stream: one launch per bucket rather than one per gradient, which the host issuing a
+ * backward is short of. Those queued on another stream go first, on theirs. */
+static ddpc_status set_due(DdpcReducer *r, int i, int what, const void *src, uintptr_t stream) {
+    Bucket *bk = &r->buckets[r->param_bucket[i]];
+    clear_due(r, i);
+    if (bk->ndue && bk->due_stream != stream) DDPC_CHECK(flush_due(r, bk, stream));
+    bk->ndue++;
+    r->due[i] = (uint8_t)what;
+    r->grad_at[i] = (void *)src;
+    bk->due_stream = stream;
+    if (what == DUE_COPY) bk->due_copy_bytes += r->numels[i] * ddpc_dtype_size(r->dtypes[i]);
+    /* Listed as copied already (an earlier gradient went at a stream change): the caller points
+     * .grad at the slot when it reads the list, which lets this source go, so it goes now. */
+    int now = !r->batch || bk->due_copy_bytes >= COPY_BATCH_BYTES ||
+              (what == DUE_COPY && r->listed[i]);
+    return now ? flush_due(r, bk, stream) : DDPC_OK;
+}
+
 static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
     Bucket *bk = &r->buckets[b];
     bk->launched = 1;
     if (!bk->count) return DDPC_OK;
-    DDPC_CHECK(flush_due(r, bk));
+    DDPC_CHECK(flush_due(r, bk, stream)); /* (the collective goes on stream) */
     void *wire = bk->buf;
     ddpc_dtype dt = bk->dtype;
     if (bk->comm_dtype >= 0) {
@@ -673,11 +682,17 @@ static ddpc_status copy_into_slot(DdpcReducer *r, int i, const void *src, uintpt
  * Called with r->mu held, before the bucket launches. */
 static ddpc_status cast_to_wire(DdpcReducer *r, int i, const void *src, uintptr_t stream) {
     Bucket *bk = &r->buckets[r->param_bucket[i]];
-    if (!r->direct[i]) { /* (first: the cast goes to the wire slots of direct parameters) */
+    int was = r->direct[i];
+    if (!was) { /* (first: the cast goes to the wire slots of direct parameters) */
         r->direct[i] = 1;
         bk->ndirect++;
     }
-    return set_due(r, i, DUE_CAST, src, stream);
+    ddpc_status st = set_due(r, i, DUE_CAST, src, stream);
+    if (st != DDPC_OK && !was && !r->due[i]) {
+        r->direct[i] = 0;
+        bk->ndirect--;
+    }
+    return st;
 }
 
 /* Takes parameter i's gradient: already in its slot (src NULL), to be copied there (src, how

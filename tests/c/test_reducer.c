@@ -90,8 +90,8 @@ ddpc_status ddpc_device_cast_many(int n, void *const *d, ddpc_dtype dd, const vo
     return ddpc_error(DDPC_ERR_UNAVAILABLE, "fake: no device");
 }
 
-ddpc_status ddpc_device_copy(void *d, const void *s, size_t b, uintptr_t st) {
-    (void)d; (void)s; (void)b; (void)st;
+ddpc_status ddpc_device_stream_wait(uintptr_t waiter, uintptr_t signaler) {
+    (void)waiter; (void)signaler;
     return ddpc_error(DDPC_ERR_UNAVAILABLE, "fake: no device");
 }
 
@@ -368,7 +368,11 @@ static void test_copy_batch_bound(void) {
     OK(ddpc_reducer_mark_ready_copy(r, 2, small2, 1)); /* the copy on stream 0 goes now */
     EXPECT(mem[off[0]] == 1.0f, "slot 0 = %g: not copied at the stream change",
            (double)mem[off[0]]);
+    /* listed already, so its newer gradient is copied at once: the caller lets the source go
+     * as soon as it reads the list */
     OK(ddpc_reducer_mark_ready_copy(r, 0, newer0, 1));
+    EXPECT(mem[off[0]] == 5.0f, "slot 0 = %g: a listed parameter's newer gradient waited",
+           (double)mem[off[0]]);
     OK(ddpc_reducer_mark_ready_copy(r, 1, big, 1));
     nf = ddpc_reducer_take_flushed(r, flushed);
     EXPECT(nf == 3 && flushed[0] + flushed[1] + flushed[2] == 3, "%d reported (%d %d %d)", nf,
