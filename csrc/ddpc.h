@@ -326,9 +326,8 @@ ddpc_status ddpc_reducer_observed_order(const DdpcReducer *r, int *order, int *r
 int ddpc_reducer_take_flushed(DdpcReducer *r, int *out);
 /* Host time (ns) since the last reset spent in: [0] marking gradients ready (their copies or
  * casts into the bucket or wire, queued on the device), [1] launching buckets (casts and posting
- * the collective), [2] finalize apart from its launches (zeroing, waits queued on the stream,
- * casts back). For the wrapper's host_times() diagnostic. */
-void ddpc_reducer_host_times(DdpcReducer *r, uint64_t out[3], int reset);
+ * the collective). For the wrapper's host_times() diagnostic. */
+void ddpc_reducer_host_times(DdpcReducer *r, uint64_t out[2], int reset);
 
 /* ---------------------------------------------------------------- distributed sampler */
 

@@ -1056,27 +1056,20 @@ static PyObject *Reducer_finalize(ReducerObject *self, PyObject *args) {
     return PyLong_FromLong(unused);
 }
 
-/* The parameters whose gradients the reducer copied into their slots since the last call (it
- * copies a bucket's in one batch when the bucket launches), as a new list; NULL with an
- * exception set. */
-static PyObject *reducer_take_flushed(ReducerObject *self) {
+static PyObject *Reducer_take_flushed(ReducerObject *self, PyObject *unused) {
+    (void)unused;
     if (!reducer_ready(self)) return NULL;
     int n = ddpc_reducer_take_flushed(self->r, self->scratch);
     return int_list(self->scratch, n);
-}
-
-static PyObject *Reducer_take_flushed(ReducerObject *self, PyObject *unused) {
-    (void)unused;
-    return reducer_take_flushed(self);
 }
 
 static PyObject *Reducer_host_times(ReducerObject *self, PyObject *args) {
     int reset = 1;
     if (!PyArg_ParseTuple(args, "|p", &reset)) return NULL;
     if (!reducer_ready(self)) return NULL;
-    uint64_t t[3];
+    uint64_t t[2];
     ddpc_reducer_host_times(self->r, t, reset);
-    return Py_BuildValue("(ddd)", t[0] * 1e-6, t[1] * 1e-6, t[2] * 1e-6);
+    return Py_BuildValue("(dd)", t[0] * 1e-6, t[1] * 1e-6);
 }
 
 static PyObject *Reducer_observed_order(ReducerObject *self, PyObject *unused) {
@@ -1164,8 +1157,8 @@ static PyMethodDef Reducer_methods[] = {
      "the last call (a bucket's go in one batch when it launches); until then .grad stays on "
      "the gradient autograd made"},
     {"host_times", (PyCFunction)Reducer_host_times, METH_VARARGS,
-     "host_times(reset=True) -> (mark ms, launch ms, finalize ms): host time spent queueing "
-     "gradient copies, bucket collectives and the end of the step since the last reset"},
+     "host_times(reset=True) -> (mark ms, launch ms): host time spent queueing gradient "
+     "copies and bucket collectives since the last reset"},
     {"observed_order", (PyCFunction)Reducer_observed_order, METH_NOARGS,
      "observed_order() -> (order, ready_counts) of the last finished step"},
     {"close", (PyCFunction)Reducer_close, METH_NOARGS,
@@ -1510,7 +1503,10 @@ static int grad_copy_source(PyObject *grad, const void **src) {
  * last call at that slot (views[j]); the gradient autograd made goes back to the allocator,
  * after the copy on its stream. Returns -1 with an exception set. */
 static int attach_flushed(GradHooksObject *h, ReducerObject *r, PyObject *views) {
-    PyObject *done = reducer_take_flushed(r);
+    if (!reducer_ready(r)) return -1;
+    int n = ddpc_reducer_take_flushed(r->r, r->scratch);
+    if (n == 0) return 0; /* (most calls: a gradient waiting for its bucket) */
+    PyObject *done = int_list(r->scratch, n);
     if (!done) return -1;
     PyObject *params = h->params; /* own references: setting .grad may run Python */
     Py_XINCREF(params);

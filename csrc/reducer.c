@@ -69,7 +69,7 @@ struct DdpcReducer {
     int *last_order;
     int *last_count;
     /* host time (ns) spent queueing device work, for ddpc_reducer_host_times */
-    uint64_t copy_ns, launch_ns, finalize_ns;
+    uint64_t copy_ns, launch_ns;
 };
 
 static ddpc_status alloc_array(void **p, size_t n, size_t size, const char *what) {
@@ -859,7 +859,6 @@ ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused)
     ddpc_status st = DDPC_OK;
     int nunused = 0;
     pthread_mutex_lock(&r->mu);
-    uint64_t t0 = ddpc_now_ns(), launch0 = r->launch_ns;
     if (!r->step_active) {
         st = ddpc_error(DDPC_ERR_INVALID, "reducer: finalize without a step in progress (prepare "
                         "was not called, or finalize already ran)");
@@ -897,7 +896,6 @@ ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused)
     DDPC_TRACE("REDUCER", "rank %d finished a step: %d of %d parameters unused",
                ddpc_group_rank(r->g), nunused, r->nparams);
 out:
-    r->finalize_ns += ddpc_now_ns() - t0 - (r->launch_ns - launch0);
     pthread_mutex_unlock(&r->mu);
     if (unused) *unused = nunused;
     return st;
@@ -915,12 +913,11 @@ int ddpc_reducer_take_flushed(DdpcReducer *r, int *out) {
     return n;
 }
 
-void ddpc_reducer_host_times(DdpcReducer *r, uint64_t out[3], int reset) {
+void ddpc_reducer_host_times(DdpcReducer *r, uint64_t out[2], int reset) {
     pthread_mutex_lock(&r->mu);
     out[0] = r->copy_ns;
     out[1] = r->launch_ns;
-    out[2] = r->finalize_ns;
-    if (reset) r->copy_ns = r->launch_ns = r->finalize_ns = 0;
+    if (reset) r->copy_ns = r->launch_ns = 0;
     pthread_mutex_unlock(&r->mu);
 }
 

@@ -778,8 +778,8 @@ class DistributedModel(torch.nn.Module):
         reduction queued at the end of backward, its launches included), with "steps" (synced
         backward passes finished). Totals; divide by "steps" for a step's share."""
         h = self._grad_hooks
-        mark, launch, _ = (self._reducer.host_times(reset) if self._reducer is not None
-                           else (0.0, 0.0, 0.0))
+        mark, launch = (self._reducer.host_times(reset) if self._reducer is not None
+                        else (0.0, 0.0))
         out = {"steps": float(self._host_ns["steps"]),
                "forward": self._host_ns["forward"] * 1e-6, "hooks": h.hook_ns * 1e-6,
                "hook_calls": float(h.calls), "wire": h.wire_ns * 1e-6, "mark": mark,
