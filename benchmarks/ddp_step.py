@@ -475,9 +475,11 @@ def main() -> int:
     if wrapper_ms:
         # Inside ddpc's share of the host phases above (rank 0, mean per timed step): the
         # wrapper's forward work; all of its gradient hooks, of which giving buckets their wire
-        # buffers, queueing each gradient's copy or cast, and queueing bucket collectives
+        # buffers, giving released buckets memory, pointing .grad at copied gradients' slots,
+        # the Python path, queueing each gradient's copy or cast, and queueing bucket collectives
         # (launch also counts in end-of-backward when it ran there); the end of backward.
-        keys = ["forward", "hooks", "hook_calls", "wire", "mark", "launch", "end_of_backward"]
+        keys = ["forward", "hooks", "hook_calls", "wire", "memory", "attach", "python", "mark",
+                "launch", "end_of_backward"]
         print(f"{'ddpc host ms per step (rank 0)':32s} " + " ".join(
             f"{k.replace('end_of_backward', 'end_bwd').replace('hook_calls', 'calls'):>8s}"
             for k in keys))

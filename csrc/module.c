@@ -1208,7 +1208,7 @@ typedef struct {
     char fast;              /* a synced backward is running and its end is queued */
     char to_wire;           /* fresh gradients of wire buckets go straight to the wire */
     /* host time in the hooks, for the wrapper's host_times() */
-    unsigned long long calls, hook_ns, wire_ns;
+    unsigned long long calls, hook_ns, wire_ns, memory_ns, attach_ns, slow_ns;
 } GradHooksObject;
 
 typedef struct {
@@ -1378,6 +1378,12 @@ static PyMemberDef GradHooks_members[] = {
      "host nanoseconds spent in the hooks so far, their Python path and need_wire included"},
     {"wire_ns", T_ULONGLONG, offsetof(GradHooksObject, wire_ns), 0,
      "host nanoseconds of hook_ns spent in need_wire"},
+    {"memory_ns", T_ULONGLONG, offsetof(GradHooksObject, memory_ns), 0,
+     "host nanoseconds of hook_ns spent in need_memory"},
+    {"attach_ns", T_ULONGLONG, offsetof(GradHooksObject, attach_ns), 0,
+     "host nanoseconds of hook_ns spent pointing .grad at the slots of copied gradients"},
+    {"slow_ns", T_ULONGLONG, offsetof(GradHooksObject, slow_ns), 0,
+     "host nanoseconds of hook_ns spent in the Python path (slow)"},
     {"to_wire", T_BOOL, offsetof(GradHooksObject, to_wire), 0,
      "True (the default): a fresh gradient of a bucket reduced in another dtype is cast to the "
      "wire from where it lies; False: copied into its bucket slot first (for comparisons)"},
@@ -1596,8 +1602,10 @@ static PyObject *GradHook_run(GradHookObject *self, PyObject *args, PyObject *kw
             /* The first gradient of a bucket released at the forward (its gradients were None):
              * the wrapper gives the bucket memory, or makes this gradient the bucket, and the
              * gradient goes on from here rather than through the whole Python path. */
+            uint64_t t0 = ddpc_now_ns();
             PyObject *res = PyObject_CallFunctionObjArgs(h->need_memory, self->index_obj, grad,
                                                          NULL);
+            h->memory_ns += ddpc_now_ns() - t0;
             if (!res) goto done;
             Py_DECREF(res);
             if (!reducer_ready(r)) goto done; /* (Python ran: see below) */
@@ -1662,7 +1670,12 @@ static PyObject *GradHook_run(GradHookObject *self, PyObject *args, PyObject *kw
         } else {
             st = ddpc_reducer_mark_ready(r->r, (int)i, stream);
         }
-        if (st == DDPC_OK && attach_flushed(h, r, views) < 0) goto done;
+        if (st == DDPC_OK) {
+            uint64_t t0 = ddpc_now_ns();
+            int rc = attach_flushed(h, r, views);
+            h->attach_ns += ddpc_now_ns() - t0;
+            if (rc < 0) goto done;
+        }
         if (st != DDPC_OK) {
             raise_status(state_of_type(Py_TYPE(r)), st);
             name_parameter_error(h, i);
@@ -1677,7 +1690,10 @@ static PyObject *GradHook_run(GradHookObject *self, PyObject *args, PyObject *kw
         Py_DECREF(r);
         if (handled) return ret;
     }
-    return PyObject_CallFunctionObjArgs(h->slow, p, self->index_obj, NULL);
+    uint64_t t0 = ddpc_now_ns();
+    PyObject *ret = PyObject_CallFunctionObjArgs(h->slow, p, self->index_obj, NULL);
+    h->slow_ns += ddpc_now_ns() - t0;
+    return ret;
 }
 
 static PyObject *GradHook_call(GradHookObject *self, PyObject *args, PyObject *kw) {

@@ -781,12 +781,15 @@ def test_host_times_account_for_the_wrappers_own_host_work(runs):
         t, n = r["synced"], r["nparams"]
         assert t["steps"] == 3 and t["hook_calls"] == 3 * n, t
         assert t["forward"] > 0 and t["end_of_backward"] > 0 and t["wire"] == 0, t
+        # the parts of the hooks' time are inside it
+        assert 0 < t["memory"] + t["attach"] + t["python"] + t["mark"] <= t["hooks"], t
         # queueing copies and collectives happens inside the hooks (or at the end of backward)
         assert 0 < t["mark"] <= t["hooks"] and 0 < t["launch"] <= t["hooks"] + t[
             "end_of_backward"], t
         nosync = r["after_no_sync"]
         assert nosync["steps"] == 3 and nosync["hook_calls"] == 4 * n, nosync
         assert nosync["hooks"] > t["hooks"] and nosync["forward"] > t["forward"], nosync
+        assert nosync["python"] > t["python"], nosync  # (a no_sync backward runs Python hooks)
         assert all(v == 0 for v in r["reset"].values()), r["reset"]
 
 

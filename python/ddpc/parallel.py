@@ -772,9 +772,12 @@ class DistributedModel(torch.nn.Module):
         """Where this wrapper's own host time went since the last reset (or since it was made),
         in milliseconds, for finding what slows a step down: "forward" (the work around the
         module's forward), "hooks" (the per-parameter gradient hooks, all of it) with "hook_calls"
-        and, inside it, "wire" (giving buckets their bf16/fp16 wire buffers), "mark" (queueing
-        each gradient's copy or cast) and "launch" (queueing each bucket's collective; also
-        counted in "hooks" or "end_of_backward", where it ran), and "end_of_backward" (the
+        and, inside it, "wire" (giving buckets their bf16/fp16 wire buffers), "memory" (giving
+        released buckets memory again), "attach" (pointing .grad at the slots gradients were
+        copied into), "python" (the Python path: no_sync, and what the C path leaves to it),
+        "mark" (queueing each gradient's copy or cast) and "launch" (queueing each bucket's
+        collective; also counted in "hooks" or "end_of_backward", where it ran), and
+        "end_of_backward" (the
         reduction queued at the end of backward, its launches included), with "steps" (synced
         backward passes finished). Totals; divide by "steps" for a step's share."""
         h = self._grad_hooks
@@ -782,10 +785,12 @@ class DistributedModel(torch.nn.Module):
                         else (0.0, 0.0))
         out = {"steps": float(self._host_ns["steps"]),
                "forward": self._host_ns["forward"] * 1e-6, "hooks": h.hook_ns * 1e-6,
-               "hook_calls": float(h.calls), "wire": h.wire_ns * 1e-6, "mark": mark,
+               "hook_calls": float(h.calls), "wire": h.wire_ns * 1e-6,
+               "memory": h.memory_ns * 1e-6, "attach": h.attach_ns * 1e-6,
+               "python": h.slow_ns * 1e-6, "mark": mark,
                "launch": launch, "end_of_backward": self._host_ns["end_of_backward"] * 1e-6}
         if reset:
-            h.hook_ns = h.wire_ns = h.calls = 0
+            h.hook_ns = h.wire_ns = h.memory_ns = h.attach_ns = h.slow_ns = h.calls = 0
             self._host_ns = dict.fromkeys(self._host_ns, 0)
         return out
 
