@@ -1736,6 +1736,12 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w) {
                           disjoint_from_queue(im, w)
                       ? (void *)im->ready
                       : NULL;
+    /* The caller's work preparing the input, on this stream (ordered after the caller's by
+     * nccl_post); a staged all-reduce then starts from here, not from the caller's position. */
+    if (a->before) {
+        DDPC_CHECK_GOTO(a->before(a->hook_ctx, (uintptr_t)im->stream), st, fail);
+        if (ready) DDPC_CUDACHECK_GOTO(cudaEventRecord(im->ready, im->stream), st, fail);
+    }
     pthread_mutex_lock(&im->comm_mu);
     if (!im->comm) {
         pthread_mutex_unlock(&im->comm_mu);
@@ -1759,6 +1765,9 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w) {
         st = nccl_fail(r, name, __FILE__, __LINE__);
         goto fail;
     }
+    /* The caller's work on the result, behind the collective on this stream (the current device
+     * is the communicator's: nccl_post set it). */
+    if (a->after) DDPC_CHECK_GOTO(a->after(a->hook_ctx, (uintptr_t)im->stream), st, fail);
     DDPC_CUDACHECK_GOTO(cudaEventRecord(wd->done, im->stream), st, fail);
     atomic_store(&wd->enqueued, 1);
     return DDPC_OK;

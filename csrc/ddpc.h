@@ -197,6 +197,16 @@ typedef struct DdpcCollArgs {
     int root;
     int device;
     uintptr_t stream;
+    /* Device work only, optional, each called with hook_ctx and the backend's communication
+     * stream on the posting thread, inside ddpc_group_post: `before` once that stream is ordered
+     * after the caller's, to queue work there that prepares the collective's input; `after` once
+     * the collective is queued there, to queue work that uses its result before the collective
+     * counts as done (waiting for the work covers it). A failure fails the post and aborts the
+     * group. (nccl: `before` on an all-reduce that takes the staged path makes it wait for the
+     * collectives before it, which it otherwise overlaps.) */
+    ddpc_status (*before)(void *ctx, uintptr_t comm_stream);
+    ddpc_status (*after)(void *ctx, uintptr_t comm_stream);
+    void *hook_ctx;
 } DdpcCollArgs;
 
 const char *ddpc_coll_name(ddpc_coll op);

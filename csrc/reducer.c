@@ -35,7 +35,10 @@ typedef struct Bucket {
     size_t due_copy_bytes; /* of them, the bytes of those to be copied */
     uintptr_t due_stream; /* the stream those go on: the one their gradients came on */
     int launched;
+    int unwired;        /* the reduced values are cast back already (queued behind the
+                         * collective on the communication stream: see unwire_after) */
     DdpcWork *work;     /* in flight between launch and the end of finalize */
+    struct DdpcReducer *owner;
 } Bucket;
 
 struct DdpcReducer {
@@ -63,6 +66,8 @@ struct DdpcReducer {
     int nflushed;
     uint8_t *listed;      /* in flushed (each at most once: it has room for every parameter) */
     int batch;            /* copies and casts wait for their bucket (DDPC_GRAD_BATCH=0: not) */
+    int comm_casts;       /* device wire buckets cast on the communication stream (see
+                           * wire_before; DDPC_COMM_CASTS=0: on the caller's, back at finalize) */
     int *seen;            /* parameters in the order they became ready */
     int nseen;
     /* the last finished step */
@@ -167,6 +172,7 @@ static ddpc_status assign_buckets(DdpcReducer *r, const int *seq, const uint8_t 
             b->dtype = r->dtypes[p];
             b->device = r->devices[p];
             b->late = lt;
+            b->owner = r;
             b->comm_dtype = comm_dtype >= 0 && comm_dtype != (int)b->dtype ? comm_dtype : -1;
         }
         k->bytes += bytes;
@@ -237,6 +243,8 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
     r->nparams = nparams;
     const char *batch = getenv("DDPC_GRAD_BATCH");
     r->batch = !(batch && strcmp(batch, "0") == 0);
+    const char *comm_casts = getenv("DDPC_COMM_CASTS");
+    r->comm_casts = !(comm_casts && strcmp(comm_casts, "0") == 0);
     size_t n = (size_t)nparams;
     DDPC_CHECK_GOTO(alloc_array((void **)&r->numels, n, sizeof *r->numels, "numels"), st, fail);
     DDPC_CHECK_GOTO(alloc_array((void **)&r->dtypes, n, sizeof *r->dtypes, "dtypes"), st, fail);
@@ -458,6 +466,7 @@ static void reset_step(DdpcReducer *r) {
         r->buckets[b].ndue = 0;
         r->buckets[b].due_copy_bytes = 0;
         r->buckets[b].launched = 0;
+        r->buckets[b].unwired = 0;
     }
 }
 
@@ -537,10 +546,10 @@ static ddpc_status cast_params(DdpcReducer *r, const Bucket *bk, int direct, int
 /* Queues the copies into slots and casts to the wire that bk's gradients wait for, in a few
  * launches on the stream they came on; then work queued on `then` comes after them (what
  * autograd did to order the caller's streams happened before these were queued). The copied
- * ones join r->flushed: their caller may now point the parameters' .grad at their slots. Called
- * with r->mu held. */
-static ddpc_status flush_due(DdpcReducer *r, Bucket *bk, uintptr_t then) {
-    if (!bk->ndue) return DDPC_OK;
+ * ones join r->flushed: their caller may now point the parameters' .grad at their slots. With
+ * casts 0, the casts stay due (for wire_before). Called with r->mu held. */
+static ddpc_status flush_due(DdpcReducer *r, Bucket *bk, uintptr_t then, int casts) {
+    if (!bk->ndue || (!casts && !bk->due_copy_bytes)) return DDPC_OK;
     enum { BATCH = 64 };
     void *dsts[BATCH];
     const void *srcs[BATCH];
@@ -571,14 +580,19 @@ static ddpc_status flush_due(DdpcReducer *r, Bucket *bk, uintptr_t then) {
         counts[n] = r->numels[p];
         ps[n++] = p;
     }
-    DDPC_CHECK(cast_params(r, bk, 1, 1, r->due, bk->due_stream));
+    if (casts) DDPC_CHECK(cast_params(r, bk, 1, 1, r->due, bk->due_stream));
     if (bk->device >= 0) DDPC_CHECK(ddpc_device_stream_wait(then, bk->due_stream));
     for (int j = 0; j < bk->nparams; j++) {
         int p = r->bucket_params[bk->first + j];
-        if (r->due[p] == DUE_COPY) r->grad_at[p] = NULL;
-        r->due[p] = 0;
+        if (r->due[p] == DUE_COPY) {
+            r->grad_at[p] = NULL;
+            r->due[p] = 0;
+            bk->ndue--;
+        } else if (casts && r->due[p]) {
+            r->due[p] = 0;
+            bk->ndue--;
+        }
     }
-    bk->ndue = 0;
     bk->due_copy_bytes = 0;
     return DDPC_OK;
 }
@@ -599,7 +613,7 @@ static void clear_due(DdpcReducer *r, int i) {
 static ddpc_status set_due(DdpcReducer *r, int i, int what, const void *src, uintptr_t stream) {
     Bucket *bk = &r->buckets[r->param_bucket[i]];
     clear_due(r, i);
-    if (bk->ndue && bk->due_stream != stream) DDPC_CHECK(flush_due(r, bk, stream));
+    if (bk->ndue && bk->due_stream != stream) DDPC_CHECK(flush_due(r, bk, stream, 1));
     bk->ndue++;
     r->due[i] = (uint8_t)what;
     r->grad_at[i] = (void *)src;
@@ -609,28 +623,68 @@ static ddpc_status set_due(DdpcReducer *r, int i, int what, const void *src, uin
      * .grad at the slot when it reads the list, which lets this source go, so it goes now. */
     int now = !r->batch || bk->due_copy_bytes >= COPY_BATCH_BYTES ||
               (what == DUE_COPY && r->listed[i]);
-    return now ? flush_due(r, bk, stream) : DDPC_OK;
+    return now ? flush_due(r, bk, stream, 1) : DDPC_OK;
+}
+
+static ddpc_status unwire(DdpcReducer *r, Bucket *bk, uintptr_t stream);
+
+/* Into the wire: the gradients left where autograd made them whose casts are due, and those in
+ * their slots. Called with r->mu held. */
+static ddpc_status to_wire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
+    if (bk->ndue) DDPC_CHECK(cast_params(r, bk, 1, 1, r->due, stream));
+    if (bk->ndirect == 0)
+        DDPC_CHECK(cast_slots(bk, bk->comm_buf, (ddpc_dtype)bk->comm_dtype, bk->buf, bk->dtype, 0,
+                              bk->count, stream));
+    else /* the gradients in their slots join those cast to the wire on arrival */
+        DDPC_CHECK(cast_params(r, bk, 0, 1, NULL, stream));
+    for (int j = 0; bk->ndue && j < bk->nparams; j++) {
+        int p = r->bucket_params[bk->first + j];
+        if (r->due[p]) {
+            r->due[p] = 0;
+            bk->ndue--;
+        }
+    }
+    return DDPC_OK;
+}
+
+/* A device wire bucket's casts go on the communication stream, around its collective, beside
+ * the backward's kernels rather than between them: into the wire once that stream has caught up
+ * with the caller's (wire_before), and the reduced values back into the slots and the gradients
+ * cast from where they lay right behind the collective (unwire_after), so finalize only waits.
+ * Both run inside the post, with r->mu held by the poster. */
+static ddpc_status wire_before(void *ctx, uintptr_t comm_stream) {
+    Bucket *bk = ctx;
+    return to_wire(bk->owner, bk, comm_stream);
+}
+
+static ddpc_status unwire_after(void *ctx, uintptr_t comm_stream) {
+    Bucket *bk = ctx;
+    DDPC_CHECK(unwire(bk->owner, bk, comm_stream));
+    bk->unwired = 1;
+    return DDPC_OK;
 }
 
 static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
     Bucket *bk = &r->buckets[b];
     bk->launched = 1;
     if (!bk->count) return DDPC_OK;
-    DDPC_CHECK(flush_due(r, bk, stream)); /* (the collective goes on stream) */
-    void *wire = bk->buf;
-    ddpc_dtype dt = bk->dtype;
-    if (bk->comm_dtype >= 0) {
-        ddpc_dtype cdt = (ddpc_dtype)bk->comm_dtype;
-        if (bk->ndirect == 0)
-            DDPC_CHECK(cast_slots(bk, bk->comm_buf, cdt, bk->buf, bk->dtype, 0, bk->count, stream));
-        else /* the gradients in their slots join those cast to the wire on arrival */
-            DDPC_CHECK(cast_params(r, bk, 0, 1, NULL, stream));
-        wire = bk->comm_buf;
-        dt = cdt;
-    }
+    int wire = bk->comm_dtype >= 0;
+    ddpc_dtype dt = wire ? (ddpc_dtype)bk->comm_dtype : bk->dtype;
+    int on_comm = wire && bk->device >= 0 && r->comm_casts;
+    /* (not before a staged all-reduce: it would wait for the ones before it, see ddpc.h) */
+    size_t staged = ddpc_group_staged_min_bytes(r->g);
+    int before = on_comm && !(staged && bk->count * ddpc_dtype_size(dt) >= staged);
+    /* the copies into slots (and, unless they go on the communication stream, the casts) go on
+     * the gradients' stream, and the collective's stream waits for them */
+    DDPC_CHECK(flush_due(r, bk, stream, !before));
+    if (before && bk->ndue && bk->device >= 0 && bk->due_stream != stream)
+        DDPC_CHECK(ddpc_device_stream_wait(stream, bk->due_stream));
+    if (wire && !before) DDPC_CHECK(to_wire(r, bk, stream));
     DdpcCollArgs a = {
-        .op = DDPC_COLL_ALLREDUCE, .send = NULL, .recv = wire, .count = bk->count, .dtype = dt,
-        .redop = DDPC_AVG, .root = 0, .device = bk->device, .stream = stream,
+        .op = DDPC_COLL_ALLREDUCE, .send = NULL, .recv = wire ? bk->comm_buf : bk->buf,
+        .count = bk->count, .dtype = dt, .redop = DDPC_AVG, .root = 0, .device = bk->device,
+        .stream = stream, .before = before ? wire_before : NULL,
+        .after = on_comm ? unwire_after : NULL, .hook_ctx = bk,
     };
     ddpc_status st = ddpc_group_post(r->g, &a, &bk->work);
     if (st != DDPC_OK)
@@ -884,7 +938,8 @@ ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused)
             ddpc_error_prefix(st, "reducer: gradient bucket %d: ", b);
             goto out;
         }
-        if (bk->comm_dtype >= 0 && (st = unwire(r, bk, stream)) != DDPC_OK) goto out;
+        if (bk->comm_dtype >= 0 && !bk->unwired && (st = unwire(r, bk, stream)) != DDPC_OK)
+            goto out;
         ddpc_work_release(bk->work);
         bk->work = NULL;
     }

@@ -26,6 +26,12 @@ static DdpcWork *g_log[MAX_LOG];
 static int g_nlog;
 static uint64_t g_seq;
 
+/* Device work (device >= 0, its "device" memory host memory here) is reduced at once, as the
+ * collective runs in stream order, and then its `then` runs on the fake communication stream. */
+enum { COMM_STREAM = 99 };
+
+ddpc_status ddpc_work_wait(DdpcWork *w);
+
 ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **out) {
     (void)g;
     if (g_nlog == MAX_LOG) return ddpc_error(DDPC_ERR_INVALID, "fake group: log full");
@@ -35,8 +41,25 @@ ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **o
     w->args = *args;
     w->refs = 2; /* the caller's and the log's */
     g_log[g_nlog++] = w;
+    if (args->device >= 0) {
+        ddpc_status st = args->before ? args->before(args->hook_ctx, COMM_STREAM) : DDPC_OK;
+        if (st == DDPC_OK) ddpc_work_wait(w);
+        if (st == DDPC_OK && args->after) st = args->after(args->hook_ctx, COMM_STREAM);
+        if (st != DDPC_OK) {
+            g_nlog--;
+            free(w);
+            return st;
+        }
+    }
     *out = w;
     return DDPC_OK;
+}
+
+/* All-reduces of at least this many bytes take the (pretended) staged path; 0: none do. */
+static size_t g_staged_min;
+size_t ddpc_group_staged_min_bytes(const DdpcGroup *g) {
+    (void)g;
+    return g_staged_min;
 }
 
 ddpc_status ddpc_work_wait(DdpcWork *w) {
@@ -73,26 +96,40 @@ void ddpc_work_release(DdpcWork *w) {
 uint64_t ddpc_work_seq(const DdpcWork *w) { return w->seq; }
 int ddpc_group_rank(const DdpcGroup *g) { return g->rank; }
 
-/* reducer.c references the device helpers; host buckets never reach them. */
+/* The device helpers, on host memory: each launch is logged with its stream. */
+#define MAX_LAUNCH 256
+static uintptr_t g_launch_stream[MAX_LAUNCH];
+static int g_nlaunch;
+
+static ddpc_status log_launch(uintptr_t s) {
+    if (g_nlaunch == MAX_LAUNCH) return ddpc_error(DDPC_ERR_INVALID, "fake: launch log full");
+    g_launch_stream[g_nlaunch++] = s;
+    return DDPC_OK;
+}
+
 ddpc_status ddpc_device_zero(void *p, size_t b, uintptr_t s) {
-    (void)p; (void)b; (void)s;
-    return ddpc_error(DDPC_ERR_UNAVAILABLE, "fake: no device");
+    memset(p, 0, b);
+    return log_launch(s);
 }
 ddpc_status ddpc_device_cast(void *d, ddpc_dtype dd, const void *s, ddpc_dtype sd, size_t n,
                              float sc, uintptr_t st) {
-    (void)d; (void)dd; (void)s; (void)sd; (void)n; (void)sc; (void)st;
-    return ddpc_error(DDPC_ERR_UNAVAILABLE, "fake: no device");
+    if (sc != 1.0f) return ddpc_error(DDPC_ERR_INVALID, "fake: scaled casts are not faked");
+    ddpc_status e = ddpc_convert_host(d, dd, s, sd, n);
+    return e != DDPC_OK ? e : log_launch(st);
 }
 
 ddpc_status ddpc_device_cast_many(int n, void *const *d, ddpc_dtype dd, const void *const *s,
                                   ddpc_dtype sd, const size_t *c, uintptr_t st) {
-    (void)n; (void)d; (void)dd; (void)s; (void)sd; (void)c; (void)st;
-    return ddpc_error(DDPC_ERR_UNAVAILABLE, "fake: no device");
+    for (int k = 0; k < n; k++) {
+        ddpc_status e = ddpc_convert_host(d[k], dd, s[k], sd, c[k]);
+        if (e != DDPC_OK) return e;
+    }
+    return n ? log_launch(st) : DDPC_OK;
 }
 
 ddpc_status ddpc_device_stream_wait(uintptr_t waiter, uintptr_t signaler) {
     (void)waiter; (void)signaler;
-    return ddpc_error(DDPC_ERR_UNAVAILABLE, "fake: no device");
+    return DDPC_OK;
 }
 
 static void clear_log(void) {
@@ -529,6 +566,99 @@ static void test_mark_ready_grad_to_wire(void) {
     free(wire);
 }
 
+/* A device bucket reduced in bfloat16: its casts go on the communication stream, around its
+ * collective: into the wire (but on the caller's stream before an all-reduce that takes the
+ * staged path), and back into the gradients cast from where they lay and into its slots, so
+ * finalize queues no cast; with DDPC_COMM_CASTS=0 all go on the caller's stream, and back at
+ * finalize. */
+static void test_device_casts_on_comm_stream(void) {
+    size_t numels[3] = {3, 5, 2};
+    ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
+    int devs[3] = {0, 0, 0};
+    int order[3] = {0, 1, 2};
+    enum { CALLER = 5 };
+    /* mode 0: on the communication stream; 1: staged-size bucket; 2: DDPC_COMM_CASTS=0 */
+    for (int mode = 0; mode < 3; mode++) {
+        if (mode == 2)
+            setenv("DDPC_COMM_CASTS", "0", 1);
+        else
+            unsetenv("DDPC_COMM_CASTS");
+        g_staged_min = mode == 1 ? 16 : 0;
+        DdpcReducer *r = NULL;
+        OK(ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 1000, 1000,
+                               DDPC_BFLOAT16, &r));
+        if (!r) continue;
+        int b, direct = -1;
+        size_t off[3], count;
+        ddpc_dtype dt;
+        int dev;
+        OK(ddpc_reducer_bucket_info(r, 0, &dt, &dev, &count));
+        for (int i = 0; i < 3; i++) OK(ddpc_reducer_param_slot(r, i, &b, &off[i]));
+        uint16_t *wire = calloc(count, sizeof *wire);
+        float *mem = calloc(count, sizeof(float));
+        float g0[3] = {2, 2, 2}, g1[5] = {4, 4, 4, 4, 4};
+        OK(ddpc_reducer_set_bucket_memory(r, 0, mem));
+        OK(ddpc_reducer_set_bucket_wire(r, 0, wire));
+        OK(ddpc_reducer_prepare(r));
+        g_nlaunch = 0;
+        OK(ddpc_reducer_mark_ready_grad(r, 0, g0, CALLER, &direct));
+        EXPECT(direct == 1, "direct %d", direct);
+        OK(ddpc_reducer_mark_ready_grad(r, 1, g1, CALLER, &direct));
+        EXPECT(g_nlaunch == 0, "mode %d: a cast went before the launch", mode);
+        for (int k = 0; k < 2; k++) mem[off[2] + k] = 8.0f;
+        OK(ddpc_reducer_mark_ready(r, 2, CALLER)); /* (in its slot) */
+        EXPECT(g_nlog == 1 && (g_log[0]->args.after != NULL) == (mode < 2) &&
+                   (g_log[0]->args.before != NULL) == (mode == 0),
+               "mode %d: %d collectives, before %s, after %s", mode, g_nlog,
+               g_nlog && g_log[0]->args.before ? "set" : "unset",
+               g_nlog && g_log[0]->args.after ? "set" : "unset");
+        int launches = g_nlaunch, to_wire_on_comm = 0, back_on_comm = 0;
+        for (int k = 0; k < launches; k++) to_wire_on_comm += g_launch_stream[k] == COMM_STREAM;
+        if (mode < 2) {
+            EXPECT(g0[0] == 1.5f && g1[4] == 2.5f && mem[off[2] + 1] == 4.5f,
+                   "mode %d: not cast back behind the collective: %g %g %g", mode,
+                   (double)g0[0], (double)g1[4], (double)mem[off[2] + 1]);
+            /* two casts in, two back (the direct gradients, the slot) */
+            back_on_comm = launches >= 2 && g_launch_stream[launches - 1] == COMM_STREAM &&
+                           g_launch_stream[launches - 2] == COMM_STREAM;
+            EXPECT(launches == 4 && back_on_comm &&
+                       to_wire_on_comm == (mode == 0 ? 4 : 2),
+                   "mode %d: %d launches, %d on the communication stream", mode, launches,
+                   to_wire_on_comm);
+        } else {
+            EXPECT(g0[0] == 2.0f && g1[4] == 4.0f && mem[off[2] + 1] == 8.0f,
+                   "cast back before finalize with DDPC_COMM_CASTS=0");
+            EXPECT(launches == 2 && to_wire_on_comm == 0, "mode 2: %d launches, %d on the "
+                   "communication stream", launches, to_wire_on_comm);
+        }
+        int unused = -1;
+        OK(ddpc_reducer_finalize(r, CALLER, &unused));
+        EXPECT(unused == 0, "unused %d", unused);
+        EXPECT(g0[0] == 1.5f && g1[4] == 2.5f && mem[off[2] + 1] == 4.5f,
+               "mode %d: after finalize %g %g %g", mode, (double)g0[0], (double)g1[4],
+               (double)mem[off[2] + 1]);
+        int at_finalize = 0;
+        for (int k = launches; k < g_nlaunch; k++) at_finalize += g_launch_stream[k] == CALLER;
+        EXPECT(mode < 2 ? g_nlaunch == launches : at_finalize == 2,
+               "mode %d: %d casts on the caller's stream at finalize", mode, at_finalize);
+        clear_log();
+        /* the next step starts afresh: with the bucket memory only, nothing is skipped */
+        OK(ddpc_reducer_prepare(r));
+        for (int k = 0; k < 3; k++) mem[off[0] + k] = 6.0f;
+        OK(ddpc_reducer_mark_ready(r, 0, CALLER));
+        OK(ddpc_reducer_mark_ready(r, 1, CALLER));
+        OK(ddpc_reducer_mark_ready(r, 2, CALLER));
+        OK(ddpc_reducer_finalize(r, CALLER, &unused));
+        EXPECT(mem[off[0]] == 3.5f, "mode %d, step 2: slot %g", mode, (double)mem[off[0]]);
+        clear_log();
+        ddpc_reducer_destroy(r);
+        free(mem);
+        free(wire);
+    }
+    unsetenv("DDPC_COMM_CASTS");
+    g_staged_min = 0;
+}
+
 static void test_bad_arguments(void) {
     size_t numels[2] = {4, 4};
     ddpc_dtype dts[2] = {DDPC_FLOAT32, DDPC_INT64};
@@ -563,11 +693,13 @@ static void test_bad_arguments(void) {
 
 int main(void) {
     unsetenv("DDPC_GRAD_BATCH"); /* the tests set it where they need it */
+    unsetenv("DDPC_COMM_CASTS");
     test_assignment_and_launch_order();
     test_order_late_dtypes();
     test_mark_ready_copy();
     test_copy_batch_bound();
     test_mark_ready_grad_to_wire();
+    test_device_casts_on_comm_stream();
     test_bad_arguments();
     clear_log();
     return check_summary("test_reducer");
