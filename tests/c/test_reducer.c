@@ -567,10 +567,9 @@ static void test_mark_ready_grad_to_wire(void) {
 }
 
 /* A device bucket reduced in bfloat16: its casts go on the communication stream, around its
- * collective: into the wire (but on the caller's stream before an all-reduce that takes the
- * staged path), and back into the gradients cast from where they lay and into its slots, so
- * finalize queues no cast; with DDPC_COMM_CASTS=0 all go on the caller's stream, and back at
- * finalize. */
+ * collective: into the wire, and back into the gradients cast from where they lay and into its
+ * slots, so finalize queues no cast. Around an all-reduce that takes the staged path, and with
+ * DDPC_COMM_CASTS=0, all go on the caller's stream, and back at finalize. */
 static void test_device_casts_on_comm_stream(void) {
     size_t numels[3] = {3, 5, 2};
     ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
@@ -607,29 +606,28 @@ static void test_device_casts_on_comm_stream(void) {
         EXPECT(g_nlaunch == 0, "mode %d: a cast went before the launch", mode);
         for (int k = 0; k < 2; k++) mem[off[2] + k] = 8.0f;
         OK(ddpc_reducer_mark_ready(r, 2, CALLER)); /* (in its slot) */
-        EXPECT(g_nlog == 1 && (g_log[0]->args.after != NULL) == (mode < 2) &&
+        EXPECT(g_nlog == 1 && (g_log[0]->args.after != NULL) == (mode == 0) &&
                    (g_log[0]->args.before != NULL) == (mode == 0),
                "mode %d: %d collectives, before %s, after %s", mode, g_nlog,
                g_nlog && g_log[0]->args.before ? "set" : "unset",
                g_nlog && g_log[0]->args.after ? "set" : "unset");
         int launches = g_nlaunch, to_wire_on_comm = 0, back_on_comm = 0;
         for (int k = 0; k < launches; k++) to_wire_on_comm += g_launch_stream[k] == COMM_STREAM;
-        if (mode < 2) {
+        if (mode == 0) {
             EXPECT(g0[0] == 1.5f && g1[4] == 2.5f && mem[off[2] + 1] == 4.5f,
                    "mode %d: not cast back behind the collective: %g %g %g", mode,
                    (double)g0[0], (double)g1[4], (double)mem[off[2] + 1]);
             /* two casts in, two back (the direct gradients, the slot) */
             back_on_comm = launches >= 2 && g_launch_stream[launches - 1] == COMM_STREAM &&
                            g_launch_stream[launches - 2] == COMM_STREAM;
-            EXPECT(launches == 4 && back_on_comm &&
-                       to_wire_on_comm == (mode == 0 ? 4 : 2),
+            EXPECT(launches == 4 && back_on_comm && to_wire_on_comm == 4,
                    "mode %d: %d launches, %d on the communication stream", mode, launches,
                    to_wire_on_comm);
         } else {
             EXPECT(g0[0] == 2.0f && g1[4] == 4.0f && mem[off[2] + 1] == 8.0f,
-                   "cast back before finalize with DDPC_COMM_CASTS=0");
-            EXPECT(launches == 2 && to_wire_on_comm == 0, "mode 2: %d launches, %d on the "
-                   "communication stream", launches, to_wire_on_comm);
+                   "mode %d: cast back before finalize", mode);
+            EXPECT(launches == 2 && to_wire_on_comm == 0, "mode %d: %d launches, %d on the "
+                   "communication stream", mode, launches, to_wire_on_comm);
         }
         int unused = -1;
         OK(ddpc_reducer_finalize(r, CALLER, &unused));
@@ -639,7 +637,7 @@ static void test_device_casts_on_comm_stream(void) {
                (double)mem[off[2] + 1]);
         int at_finalize = 0;
         for (int k = launches; k < g_nlaunch; k++) at_finalize += g_launch_stream[k] == CALLER;
-        EXPECT(mode < 2 ? g_nlaunch == launches : at_finalize == 2,
+        EXPECT(mode == 0 ? g_nlaunch == launches : at_finalize == 2,
                "mode %d: %d casts on the caller's stream at finalize", mode, at_finalize);
         clear_log();
         /* the next step starts afresh: with the bucket memory only, nothing is skipped */
