@@ -681,8 +681,7 @@ static ddpc_status set_due(DdpcReducer *r, int i, int what, const void *src, uin
 static ddpc_status unwire(DdpcReducer *r, Bucket *bk, uintptr_t stream);
 
 /* Into the wire: the gradients left where autograd made them whose casts are due, and those in
- * their slots. Called with r->mu held, or by the poster thread for a launched bucket (see
- * post_bucket). */
+ * their slots. Called with r->mu held. */
 static ddpc_status to_wire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
     if (bk->ndue) DDPC_CHECK(cast_params(r, bk, 1, 1, r->due, stream));
     if (bk->ndirect == 0)
@@ -704,8 +703,7 @@ static ddpc_status to_wire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
  * the backward's kernels rather than between them: into the wire once that stream has caught up
  * with the caller's (wire_before), and the reduced values back into the slots and the gradients
  * cast from where they lay right behind the collective (unwire_after), so finalize only waits.
- * Both run inside the post: on the hooks' thread with r->mu held, or on the poster thread
- * without it (see post_bucket). */
+ * Both run inside the post, with r->mu held by the poster. */
 static ddpc_status wire_before(void *ctx, uintptr_t comm_stream) {
     Bucket *bk = ctx;
     return to_wire(bk->owner, bk, comm_stream);
@@ -720,9 +718,7 @@ static ddpc_status unwire_after(void *ctx, uintptr_t comm_stream) {
 
 /* Posts bucket b's all-reduce (its copies and, unless they go around it, its casts queued):
  * after the work queued on `stream`, or after ready_ev when given. Called with r->mu held, or by
- * the poster thread without it for a launched bucket: until finalize, which waits for the
- * poster first, nothing else reads or writes that bucket's state or its parameters' entries
- * (a parameter marked again after its bucket launched is refused before anything changes). */
+ * the poster for a launched bucket, whose state nothing else changes until it is posted. */
 static ddpc_status post_bucket(DdpcReducer *r, int b, uintptr_t stream, void *ready_ev,
                                int before, DdpcWork **out) {
     Bucket *bk = &r->buckets[b];
