@@ -260,13 +260,6 @@ def _worker(rank, args, ports, results):
         variants += [Variant("ddpc per-gradient copies", lambda m: ddpc.wrap_model(m), env=one),
                      Variant("ddpc bf16 per-gradient casts",
                              lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16), env=one)]
-    if args.sync_post:
-        # What posting the collectives from the reducer's own thread saves the backward's
-        # thread: the hooks post them themselves (DDPC_ASYNC_POST=0, read when a reducer is made).
-        sync = {"DDPC_ASYNC_POST": "0"}
-        variants += [Variant("ddpc posted by hooks", lambda m: ddpc.wrap_model(m), env=sync),
-                     Variant("ddpc bf16 posted by hooks",
-                             lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16), env=sync)]
     if args.caller_casts:
         # What casting a bf16 bucket to and from the wire on the communication stream, around
         # its collective, saves: the casts on the backward's stream and every cast back at the
@@ -386,9 +379,6 @@ def main() -> int:
                     help="also run ddpc with each gradient copied (cast) into its bucket as it "
                          "arrives, one launch each (DDPC_GRAD_BATCH=0), instead of a bucket's "
                          "in one launch")
-    ap.add_argument("--sync-post", action="store_true",
-                    help="also run ddpc with the gradient hooks posting each bucket's collective "
-                         "themselves (DDPC_ASYNC_POST=0) instead of the reducer's poster thread")
     ap.add_argument("--caller-casts", action="store_true",
                     help="also run ddpc with bf16 gradients cast to and from the wire on the "
                          "caller's stream, back at the end of backward (DDPC_COMM_CASTS=0), "
@@ -498,10 +488,9 @@ def main() -> int:
         # wrapper's forward work; all of its gradient hooks, of which giving buckets their wire
         # buffers, giving released buckets memory, pointing .grad at copied gradients' slots,
         # the Python path, queueing each gradient's copy or cast, and queueing bucket collectives
-        # (launch also counts in end-of-backward when it ran there); the end of backward; and
-        # the poster thread's posting of the collectives the hooks launched (not in the hooks).
+        # (launch also counts in end-of-backward when it ran there); the end of backward.
         keys = ["forward", "hooks", "hook_calls", "wire", "memory", "attach", "python", "mark",
-                "launch", "end_of_backward", "post"]
+                "launch", "end_of_backward"]
         print(f"{'ddpc host ms per step (rank 0)':32s} " + " ".join(
             f"{k.replace('end_of_backward', 'end_bwd').replace('hook_calls', 'calls'):>8s}"
             for k in keys))

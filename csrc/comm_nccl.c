@@ -1731,20 +1731,16 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w) {
      * Every rank sees the same count, so every rank skips. */
     int call = a->op == DDPC_COLL_BARRIER || a->count > 0;
     /* Staged overlap: im->ready holds the caller's stream position of this post (nccl_post
-     * just recorded it; posts are serialized), or the caller gave its own. Looked up before
-     * comm_mu, never held with mu. */
+     * just recorded it; posts are serialized). Looked up before comm_mu, never held with mu. */
     void *ready = im->staged && im->staged_overlap && call && a->op == DDPC_COLL_ALLREDUCE &&
                           disjoint_from_queue(im, w)
-                      ? (a->ready_event ? a->ready_event : (void *)im->ready)
+                      ? (void *)im->ready
                       : NULL;
     /* The caller's work preparing the input, on this stream (ordered after the caller's by
      * nccl_post); a staged all-reduce then starts from here, not from the caller's position. */
     if (a->before) {
         DDPC_CHECK_GOTO(a->before(a->hook_ctx, (uintptr_t)im->stream), st, fail);
-        if (ready) {
-            DDPC_CUDACHECK_GOTO(cudaEventRecord(im->ready, im->stream), st, fail);
-            ready = im->ready;
-        }
+        if (ready) DDPC_CUDACHECK_GOTO(cudaEventRecord(im->ready, im->stream), st, fail);
     }
     pthread_mutex_lock(&im->comm_mu);
     if (!im->comm) {
@@ -1808,15 +1804,9 @@ static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
     atomic_init(&wd->enqueued, 0);
     DDPC_CHECK_GOTO(pool_get(im, &wd->done), st, fail_wd);
     /* The communication stream waits for the caller's queued work (the event replaces a host
-     * sync); the event may be re-recorded by the next post, the wait has already captured it.
-     * A caller that marked its position earlier (posting from another thread) gives its own. */
-    if (a->ready_event) {
-        DDPC_CUDACHECK_GOTO(cudaStreamWaitEvent(im->stream, (cudaEvent_t)a->ready_event, 0), st,
-                            fail_ev);
-    } else {
-        DDPC_CUDACHECK_GOTO(cudaEventRecord(im->ready, (cudaStream_t)a->stream), st, fail_ev);
-        DDPC_CUDACHECK_GOTO(cudaStreamWaitEvent(im->stream, im->ready, 0), st, fail_ev);
-    }
+     * sync); the event may be re-recorded by the next post, the wait has already captured it. */
+    DDPC_CUDACHECK_GOTO(cudaEventRecord(im->ready, (cudaStream_t)a->stream), st, fail_ev);
+    DDPC_CUDACHECK_GOTO(cudaStreamWaitEvent(im->stream, im->ready, 0), st, fail_ev);
     w->backend_data = wd;
     ddpc_work_retain(w);
     pthread_mutex_lock(&im->mu);

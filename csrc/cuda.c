@@ -71,20 +71,6 @@ ddpc_status ddpc_device_stream_wait(uintptr_t waiter, uintptr_t signaler) {
     return ddpc_error(DDPC_ERR_UNAVAILABLE, "cannot order CUDA streams: " DDPC_NO_CUDA_HINT);
 }
 
-ddpc_status ddpc_device_event_create(int device, void **event) {
-    *event = NULL;
-    return ddpc_error(DDPC_ERR_UNAVAILABLE, "cannot make an event on cuda:%d: " DDPC_NO_CUDA_HINT,
-                      device);
-}
-
-ddpc_status ddpc_device_event_record(void *event, uintptr_t stream) {
-    (void)event;
-    (void)stream;
-    return ddpc_error(DDPC_ERR_UNAVAILABLE, "cannot record an event: " DDPC_NO_CUDA_HINT);
-}
-
-void ddpc_device_event_destroy(void *event) { (void)event; }
-
 ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
                              size_t n, float scale, uintptr_t stream) {
     (void)dst;

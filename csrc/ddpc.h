@@ -207,11 +207,6 @@ typedef struct DdpcCollArgs {
     ddpc_status (*before)(void *ctx, uintptr_t comm_stream);
     ddpc_status (*after)(void *ctx, uintptr_t comm_stream);
     void *hook_ctx;
-    /* Device work only, optional: an event recorded on the caller's stream (see
-     * ddpc_device_event_create); the collective starts after the work it marks instead of after
-     * everything queued on `stream` when it is posted, so it can be posted later, from another
-     * thread. The event must not be recorded again until the post returns. */
-    void *ready_event;
 } DdpcCollArgs;
 
 const char *ddpc_coll_name(ddpc_coll op);
@@ -341,9 +336,8 @@ ddpc_status ddpc_reducer_observed_order(const DdpcReducer *r, int *order, int *r
 int ddpc_reducer_take_flushed(DdpcReducer *r, int *out);
 /* Host time (ns) since the last reset spent in: [0] marking gradients ready (their copies or
  * casts into the bucket or wire, queued on the device), [1] launching buckets (casts and posting
- * the collective, or handing it to the poster thread), [2] the poster thread's posting. For the
- * wrapper's host_times() diagnostic. */
-void ddpc_reducer_host_times(DdpcReducer *r, uint64_t out[3], int reset);
+ * the collective). For the wrapper's host_times() diagnostic. */
+void ddpc_reducer_host_times(DdpcReducer *r, uint64_t out[2], int reset);
 
 /* ---------------------------------------------------------------- distributed sampler */
 
@@ -380,11 +374,6 @@ ddpc_status ddpc_device_zero(void *ptr, size_t bytes, uintptr_t stream);
 /* Work queued on `waiter` from now on runs after the work queued on `signaler` so far (an event,
  * never a host sync); nothing when they are the same stream. */
 ddpc_status ddpc_device_stream_wait(uintptr_t waiter, uintptr_t signaler);
-/* A marker of a stream's position (a cudaEvent_t without timing) made on device `device`;
- * record it on a stream to mark what is queued there so far (DdpcCollArgs.ready_event). */
-ddpc_status ddpc_device_event_create(int device, void **event);
-ddpc_status ddpc_device_event_record(void *event, uintptr_t stream);
-void ddpc_device_event_destroy(void *event);
 /* dst[i] = (dst_dt)(src[i] * scale) for float32/float16/bfloat16/float64 pairs. */
 ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
                              size_t n, float scale, uintptr_t stream);

@@ -235,9 +235,9 @@ static ddpc_status check_args(const DdpcGroup *g, const DdpcCollArgs *a) {
     const char *name = ddpc_coll_name(a->op);
     if ((unsigned)a->op >= DDPC_NUM_COLLS)
         return ddpc_error(DDPC_ERR_INVALID, "unknown collective %d", (int)a->op);
-    if ((a->before || a->after || a->ready_event) && a->device < 0)
-        return ddpc_error(DDPC_ERR_INVALID, "%s: work to queue before or after it, or an event to "
-                          "start after, needs device memory: host work has no stream", name);
+    if ((a->before || a->after) && a->device < 0)
+        return ddpc_error(DDPC_ERR_INVALID, "%s: work to queue before or after it needs device "
+                          "memory: host work has no stream to queue it on", name);
     if (a->op == DDPC_COLL_BARRIER) return DDPC_OK;
     if (!ddpc_dtype_size(a->dtype))
         return ddpc_error(DDPC_ERR_INVALID, "%s: unsupported dtype code %d", name, (int)a->dtype);

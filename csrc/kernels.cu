@@ -245,36 +245,6 @@ ddpc_status ddpc_device_stream_wait(uintptr_t waiter, uintptr_t signaler) {
     return DDPC_OK;
 }
 
-ddpc_status ddpc_device_event_create(int device, void **event) {
-    *event = NULL;
-    int prev = -1;
-    DDPC_CUDACHECK(cudaGetDevice(&prev));
-    if (prev != device) DDPC_CUDACHECK(cudaSetDevice(device));
-    cudaEvent_t ev = NULL;
-    cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
-    cudaError_t r = prev != device ? cudaSetDevice(prev) : cudaSuccess;
-    if (e != cudaSuccess)
-        return ddpc_error(DDPC_ERR_CUDA, "creating an event on cuda:%d failed: %s", device,
-                          cudaGetErrorString(e));
-    if (r != cudaSuccess) {
-        cudaEventDestroy(ev);
-        return ddpc_error(DDPC_ERR_CUDA, "restoring the current device %d failed: %s", prev,
-                          cudaGetErrorString(r));
-    }
-    *event = ev;
-    return DDPC_OK;
-}
-
-ddpc_status ddpc_device_event_record(void *event, uintptr_t stream) {
-    DDPC_CUDACHECK(cudaEventRecord(static_cast<cudaEvent_t>(event),
-                                   reinterpret_cast<cudaStream_t>(stream)));
-    return DDPC_OK;
-}
-
-void ddpc_device_event_destroy(void *event) {
-    if (event) cudaEventDestroy(static_cast<cudaEvent_t>(event));
-}
-
 ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
                              size_t n, float scale, uintptr_t stream) {
     char what[64];

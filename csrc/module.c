@@ -1067,9 +1067,9 @@ static PyObject *Reducer_host_times(ReducerObject *self, PyObject *args) {
     int reset = 1;
     if (!PyArg_ParseTuple(args, "|p", &reset)) return NULL;
     if (!reducer_ready(self)) return NULL;
-    uint64_t t[3];
+    uint64_t t[2];
     ddpc_reducer_host_times(self->r, t, reset);
-    return Py_BuildValue("(ddd)", t[0] * 1e-6, t[1] * 1e-6, t[2] * 1e-6);
+    return Py_BuildValue("(dd)", t[0] * 1e-6, t[1] * 1e-6);
 }
 
 static PyObject *Reducer_observed_order(ReducerObject *self, PyObject *unused) {
@@ -1157,8 +1157,8 @@ static PyMethodDef Reducer_methods[] = {
      "the last call (a bucket's go in one batch when it launches); until then .grad stays on "
      "the gradient autograd made"},
     {"host_times", (PyCFunction)Reducer_host_times, METH_VARARGS,
-     "host_times(reset=True) -> (mark ms, launch ms, post ms): host time spent queueing gradient "
-     "copies and bucket collectives since the last reset (post: on the reducer's own thread)"},
+     "host_times(reset=True) -> (mark ms, launch ms): host time spent queueing gradient "
+     "copies and bucket collectives since the last reset"},
     {"observed_order", (PyCFunction)Reducer_observed_order, METH_NOARGS,
      "observed_order() -> (order, ready_counts) of the last finished step"},
     {"close", (PyCFunction)Reducer_close, METH_NOARGS,

@@ -1,12 +1,9 @@
 /* reducer.c: the DDP gradient reducer: assigns parameters to flat buckets, tracks which gradients
  * are ready during backward, all-reduces (averages) each bucket as soon as it and every bucket
  * before it are complete, and at the end of backward zeroes unused slots and waits for all. */
-#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
-#include <time.h>
 
 #include "group.h"
 
@@ -77,19 +74,7 @@ struct DdpcReducer {
     int *last_order;
     int *last_count;
     /* host time (ns) spent queueing device work, for ddpc_reducer_host_times */
-    uint64_t copy_ns, launch_ns, post_ns;
-    /* The poster: a thread of the reducer's own that posts the collectives of the buckets the
-     * hooks launch, so the thread running backward (which keeps the GPU fed with its kernels)
-     * only records where its stream stands (ready_ev) and goes on. Device reducers only, made at
-     * the first launch; DDPC_ASYNC_POST=0: the hooks post themselves. */
-    int async;            /* every bucket is on a device and the poster may be used */
-    int poster_up, poster_stop;
-    pthread_t poster;
-    pthread_cond_t post_cv; /* with mu: a bucket queued, or one posted */
-    int queued, posted;   /* buckets [posted, queued) wait for the poster */
-    ddpc_status post_st;  /* the poster's first failure this step, raised by the next call */
-    char *post_msg;
-    void **ready_ev;      /* per bucket: the caller's stream position at its launch */
+    uint64_t copy_ns, launch_ns;
 };
 
 static ddpc_status alloc_array(void **p, size_t n, size_t size, const char *what) {
@@ -236,10 +221,6 @@ static void free_arrays(DdpcReducer *r) {
     free(r->seen);
     free(r->last_order);
     free(r->last_count);
-    if (r->ready_ev)
-        for (int b = 0; b < r->nbuckets; b++) ddpc_device_event_destroy(r->ready_ev[b]);
-    free(r->ready_ev);
-    free(r->post_msg);
     free(r);
 }
 
@@ -264,10 +245,6 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
     r->batch = !(batch && strcmp(batch, "0") == 0);
     const char *comm_casts = getenv("DDPC_COMM_CASTS");
     r->comm_casts = !(comm_casts && strcmp(comm_casts, "0") == 0);
-    const char *async = getenv("DDPC_ASYNC_POST");
-    r->async = !(async && strcmp(async, "0") == 0) && nparams > 0;
-    for (int i = 0; i < nparams && r->async; i++)
-        if (devices[i] < 0) r->async = 0;
     size_t n = (size_t)nparams;
     DDPC_CHECK_GOTO(alloc_array((void **)&r->numels, n, sizeof *r->numels, "numels"), st, fail);
     DDPC_CHECK_GOTO(alloc_array((void **)&r->dtypes, n, sizeof *r->dtypes, "dtypes"), st, fail);
@@ -313,11 +290,6 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
         st = ddpc_error(DDPC_ERR_SYSTEM, "reducer: pthread_mutex_init failed: %s", strerror(rc));
         goto fail;
     }
-    if ((rc = pthread_cond_init(&r->post_cv, NULL)) != 0) {
-        pthread_mutex_destroy(&r->mu);
-        st = ddpc_error(DDPC_ERR_SYSTEM, "reducer: pthread_cond_init failed: %s", strerror(rc));
-        goto fail;
-    }
     DDPC_INFO("REDUCER", "rank %d: %d parameters in %d buckets (first %zu bytes, cap %zu bytes, "
               "comm dtype %d)", ddpc_group_rank(g), nparams, r->nbuckets, first_bucket_bytes,
               bucket_cap_bytes, comm_dtype);
@@ -351,26 +323,9 @@ static ddpc_status drain(DdpcReducer *r) {
     return DDPC_OK;
 }
 
-static ddpc_status wait_idle(DdpcReducer *r);
-
 void ddpc_reducer_destroy(DdpcReducer *r) {
     if (!r) return;
-    pthread_mutex_lock(&r->mu);
-    ddpc_status idle = wait_idle(r);
-    r->poster_stop = 1;
-    pthread_cond_broadcast(&r->post_cv);
-    pthread_mutex_unlock(&r->mu);
-    if (r->poster_up && idle != DDPC_OK) {
-        /* A post that never returns: the reducer stays allocated for the poster (leaked)
-         * rather than this call hanging too. */
-        ddpc_log(DDPC_LOG_INFO, "REDUCER", "warning: %s; the reducer is left allocated",
-                 ddpc_last_error());
-        pthread_detach(r->poster);
-        return;
-    }
-    if (r->poster_up) pthread_join(r->poster, NULL);
     drain(r);
-    pthread_cond_destroy(&r->post_cv);
     pthread_mutex_destroy(&r->mu);
     free_arrays(r);
 }
@@ -505,8 +460,6 @@ static void reset_step(DdpcReducer *r) {
     r->nflushed = 0;
     r->nseen = 0;
     r->next_launch = 0;
-    r->queued = r->posted = 0;
-    r->post_st = DDPC_OK;
     for (int b = 0; b < r->nbuckets; b++) {
         r->buckets[b].pending = r->buckets[b].nparams;
         r->buckets[b].ndirect = 0;
@@ -525,12 +478,7 @@ ddpc_status ddpc_reducer_prepare(DdpcReducer *r) {
     pthread_mutex_lock(&r->mu);
     int unfinished = r->step_active && (r->nseen > 0 || r->next_launch > 0);
     int seen = r->nseen;
-    /* (a failed post is the unfinished step's failure, raised by its finalize if it ran) */
-    ddpc_status st = wait_idle(r);
-    if (unfinished) {
-        ddpc_status d = drain(r);
-        if (st == DDPC_OK) st = d;
-    }
+    ddpc_status st = unfinished ? drain(r) : DDPC_OK;
     reset_step(r);
     r->step_active = 1;
     pthread_mutex_unlock(&r->mu);
@@ -716,158 +664,43 @@ static ddpc_status unwire_after(void *ctx, uintptr_t comm_stream) {
     return DDPC_OK;
 }
 
-/* Posts bucket b's all-reduce (its copies and, unless they go around it, its casts queued):
- * after the work queued on `stream`, or after ready_ev when given. Called with r->mu held, or by
- * the poster for a launched bucket, whose state nothing else changes until it is posted. */
-static ddpc_status post_bucket(DdpcReducer *r, int b, uintptr_t stream, void *ready_ev,
-                               int before, DdpcWork **out) {
-    Bucket *bk = &r->buckets[b];
-    int wire = bk->comm_dtype >= 0;
-    ddpc_dtype dt = wire ? (ddpc_dtype)bk->comm_dtype : bk->dtype;
-    DdpcCollArgs a = {
-        .op = DDPC_COLL_ALLREDUCE, .send = NULL, .recv = wire ? bk->comm_buf : bk->buf,
-        .count = bk->count, .dtype = dt, .redop = DDPC_AVG, .root = 0, .device = bk->device,
-        .stream = stream, .before = before ? wire_before : NULL,
-        .after = before ? unwire_after : NULL, .hook_ctx = bk, .ready_event = ready_ev,
-    };
-    ddpc_status st = ddpc_group_post(r->g, &a, out);
-    if (st != DDPC_OK)
-        return ddpc_error_prefix(st, "reducer: all_reduce of gradient bucket %d (%zu x %s): ", b,
-                                 bk->count, ddpc_dtype_name(dt));
-    DDPC_TRACE("REDUCER", "rank %d launched bucket %d (%zu x %s) as collective #%llu",
-               ddpc_group_rank(r->g), b, bk->count, ddpc_dtype_name(dt),
-               (unsigned long long)ddpc_work_seq(*out));
-    return DDPC_OK;
-}
-
-/* Whether bucket b's casts go on the communication stream around its collective. Not around a
- * staged all-reduce: casts into the wire before it would make it wait for the ones before it
- * (see ddpc.h), and casts back behind it on the communication stream made a step 0.6 ms slower
- * without P2P in one run (the later staged calls queue behind them). */
-static int casts_around(const DdpcReducer *r, const Bucket *bk) {
-    if (bk->comm_dtype < 0 || bk->device < 0 || !r->comm_casts) return 0;
-    size_t staged = ddpc_group_staged_min_bytes(r->g);
-    return !(staged && bk->count * ddpc_dtype_size((ddpc_dtype)bk->comm_dtype) >= staged);
-}
-
-static void *poster_main(void *arg);
-
-/* The poster thread and one event per bucket, made at the first launch that uses them. Called
- * with r->mu held. */
-static ddpc_status start_poster(DdpcReducer *r, int device) {
-    if (r->poster_up) return DDPC_OK;
-    if (!r->ready_ev) {
-        void **evs = calloc((size_t)r->nbuckets, sizeof *evs);
-        if (!evs) return ddpc_error(DDPC_ERR_NOMEM, "reducer: out of host memory for events");
-        for (int b = 0; b < r->nbuckets; b++) {
-            ddpc_status st = ddpc_device_event_create(device, &evs[b]);
-            if (st != DDPC_OK) {
-                for (int k = 0; k < b; k++) ddpc_device_event_destroy(evs[k]);
-                free(evs);
-                return st;
-            }
-        }
-        r->ready_ev = evs;
-    }
-    int rc = pthread_create(&r->poster, NULL, poster_main, r);
-    if (rc != 0)
-        return ddpc_error(DDPC_ERR_SYSTEM, "reducer: starting the thread that posts collectives "
-                          "failed: %s", strerror(rc));
-    r->poster_up = 1;
-    return DDPC_OK;
-}
-
-static void *poster_main(void *arg) {
-    DdpcReducer *r = arg;
-    pthread_mutex_lock(&r->mu);
-    for (;;) {
-        while (!r->poster_stop && r->posted == r->queued)
-            pthread_cond_wait(&r->post_cv, &r->mu);
-        if (r->posted == r->queued) break; /* (stopping, with nothing left) */
-        int b = r->posted;
-        Bucket *bk = &r->buckets[b];
-        if (bk->count && r->post_st == DDPC_OK) {
-            int before = casts_around(r, bk);
-            DdpcWork *w = NULL;
-            pthread_mutex_unlock(&r->mu);
-            uint64_t t0 = ddpc_now_ns();
-            ddpc_status st = post_bucket(r, b, 0, r->ready_ev[b], before, &w);
-            uint64_t dt = ddpc_now_ns() - t0;
-            pthread_mutex_lock(&r->mu);
-            r->post_ns += dt;
-            bk->work = w;
-            if (st != DDPC_OK) {
-                r->post_st = st;
-                free(r->post_msg);
-                r->post_msg = strdup(ddpc_last_error());
-            }
-        }
-        r->posted++;
-        pthread_cond_broadcast(&r->post_cv);
-    }
-    pthread_mutex_unlock(&r->mu);
-    return NULL;
-}
-
-/* Waits (up to the group's timeout) until the poster has posted every bucket handed to it.
- * Called with r->mu held. */
-static ddpc_status wait_idle(DdpcReducer *r) {
-    if (r->posted < r->queued) {
-        int64_t ms = ddpc_group_timeout_ms(r->g);
-        struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
-        until.tv_sec += (time_t)(ms / 1000);
-        until.tv_nsec += (long)(ms % 1000) * 1000000L;
-        if (until.tv_nsec >= 1000000000L) {
-            until.tv_sec++;
-            until.tv_nsec -= 1000000000L;
-        }
-        while (r->posted < r->queued)
-            if (pthread_cond_timedwait(&r->post_cv, &r->mu, &until) == ETIMEDOUT &&
-                r->posted < r->queued)
-                return ddpc_error(DDPC_ERR_TIMEOUT, "reducer: the thread that posts the "
-                                  "gradient collectives did not post bucket %d within the "
-                                  "timeout (%lld ms); set DDPC_ASYNC_POST=0 to post them from the "
-                                  "backward's thread", r->posted, (long long)ms);
-    }
-    return DDPC_OK;
-}
-
-/* wait_idle, then the poster's failure of this step, if any. Called with r->mu held. */
-static ddpc_status wait_posted(DdpcReducer *r) {
-    DDPC_CHECK(wait_idle(r));
-    if (r->post_st != DDPC_OK)
-        return ddpc_error(r->post_st, "%s", r->post_msg ? r->post_msg : "posting failed");
-    return DDPC_OK;
-}
-
-/* Launches bucket b: its copies go on the gradients' stream, and then its collective is posted
- * behind the work queued on `stream`, here or (async, on a device) by the poster. */
-static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream, int async) {
+static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
     Bucket *bk = &r->buckets[b];
     bk->launched = 1;
     if (!bk->count) return DDPC_OK;
-    int before = casts_around(r, bk);
+    int wire = bk->comm_dtype >= 0;
+    ddpc_dtype dt = wire ? (ddpc_dtype)bk->comm_dtype : bk->dtype;
+    /* Not around a staged all-reduce: casts into the wire before it would make it wait for the
+     * ones before it (see ddpc.h), and casts back behind it on the communication stream made a
+     * step 0.6 ms slower without P2P in one run (the later staged calls queue behind them). */
+    size_t staged = ddpc_group_staged_min_bytes(r->g);
+    int before = wire && bk->device >= 0 && r->comm_casts &&
+                 !(staged && bk->count * ddpc_dtype_size(dt) >= staged);
     /* the copies into slots (and, unless they go on the communication stream, the casts) go on
      * the gradients' stream, and the collective's stream waits for them */
     DDPC_CHECK(flush_due(r, bk, stream, !before));
     if (before && bk->ndue && bk->device >= 0 && bk->due_stream != stream)
         DDPC_CHECK(ddpc_device_stream_wait(stream, bk->due_stream));
-    if (bk->comm_dtype >= 0 && !before) DDPC_CHECK(to_wire(r, bk, stream));
-    if (async && r->async && r->post_st == DDPC_OK) {
-        DDPC_CHECK(start_poster(r, bk->device));
-        DDPC_CHECK(ddpc_device_event_record(r->ready_ev[b], stream));
-        r->queued = b + 1;
-        pthread_cond_broadcast(&r->post_cv);
-        return DDPC_OK;
-    }
-    DDPC_CHECK(wait_posted(r)); /* (posts keep their order) */
-    return post_bucket(r, b, stream, NULL, before, &bk->work);
+    if (wire && !before) DDPC_CHECK(to_wire(r, bk, stream));
+    DdpcCollArgs a = {
+        .op = DDPC_COLL_ALLREDUCE, .send = NULL, .recv = wire ? bk->comm_buf : bk->buf,
+        .count = bk->count, .dtype = dt, .redop = DDPC_AVG, .root = 0, .device = bk->device,
+        .stream = stream, .before = before ? wire_before : NULL,
+        .after = before ? unwire_after : NULL, .hook_ctx = bk,
+    };
+    ddpc_status st = ddpc_group_post(r->g, &a, &bk->work);
+    if (st != DDPC_OK)
+        return ddpc_error_prefix(st, "reducer: all_reduce of gradient bucket %d (%zu x %s): ", b,
+                                 bk->count, ddpc_dtype_name(dt));
+    DDPC_TRACE("REDUCER", "rank %d launched bucket %d (%zu x %s) as collective #%llu",
+               ddpc_group_rank(r->g), b, bk->count, ddpc_dtype_name(dt),
+               (unsigned long long)ddpc_work_seq(bk->work));
+    return DDPC_OK;
 }
 
-static ddpc_status launch(DdpcReducer *r, int b, uintptr_t stream, int async) {
+static ddpc_status launch(DdpcReducer *r, int b, uintptr_t stream) {
     uint64_t t0 = ddpc_now_ns();
-    ddpc_status st = launch_bucket(r, b, stream, async);
+    ddpc_status st = launch_bucket(r, b, stream);
     r->launch_ns += ddpc_now_ns() - t0;
     return st;
 }
@@ -878,7 +711,7 @@ static ddpc_status launch_complete(DdpcReducer *r, uintptr_t stream) {
     while (r->next_launch < r->nbuckets) {
         Bucket *bk = &r->buckets[r->next_launch];
         if (bk->late || bk->pending > 0) break;
-        DDPC_CHECK(launch(r, r->next_launch, stream, 1));
+        DDPC_CHECK(launch(r, r->next_launch, stream));
         r->next_launch++;
     }
     return DDPC_OK;
@@ -1087,8 +920,6 @@ ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused)
                         "was not called, or finalize already ran)");
         goto out;
     }
-    /* The buckets the hooks launched are posted (the poster's failure is this call's). */
-    DDPC_CHECK_GOTO(wait_posted(r), st, out);
     /* Every bucket still to launch must have memory before any is zeroed or launched, so that a
      * failure leaves no rank with a partial set of collectives posted by this call. */
     for (int b = r->next_launch; b < r->nbuckets; b++) {
@@ -1100,7 +931,7 @@ ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused)
         if (r->buckets[b].pending > 0)
             DDPC_CHECK_GOTO(zero_unready(r, &r->buckets[b], stream, &nunused), st, out);
     for (; r->next_launch < r->nbuckets; r->next_launch++)
-        DDPC_CHECK_GOTO(launch(r, r->next_launch, stream, 0), st, out);
+        DDPC_CHECK_GOTO(launch(r, r->next_launch, stream), st, out);
     for (int b = 0; b < r->nbuckets; b++) {
         Bucket *bk = &r->buckets[b];
         if (!bk->work) continue;
@@ -1139,12 +970,11 @@ int ddpc_reducer_take_flushed(DdpcReducer *r, int *out) {
     return n;
 }
 
-void ddpc_reducer_host_times(DdpcReducer *r, uint64_t out[3], int reset) {
+void ddpc_reducer_host_times(DdpcReducer *r, uint64_t out[2], int reset) {
     pthread_mutex_lock(&r->mu);
     out[0] = r->copy_ns;
     out[1] = r->launch_ns;
-    out[2] = r->post_ns;
-    if (reset) r->copy_ns = r->launch_ns = r->post_ns = 0;
+    if (reset) r->copy_ns = r->launch_ns = 0;
     pthread_mutex_unlock(&r->mu);
 }
 

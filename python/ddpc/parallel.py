@@ -777,19 +777,18 @@ class DistributedModel(torch.nn.Module):
         released buckets memory again), "attach" (pointing .grad at the slots gradients were
         copied into), "python" (the Python path: no_sync, and what the C path leaves to it),
         "mark" (queueing each gradient's copy or cast) and "launch" (queueing each bucket's
-        collective; also counted in "hooks" or "end_of_backward", where it ran), "post" (on
-        GPUs: posting the collectives the hooks launched, on the reducer's own thread, beside
-        the backward rather than in it), and "end_of_backward" (the
+        collective; also counted in "hooks" or "end_of_backward", where it ran), and
+        "end_of_backward" (the
         reduction queued at the end of backward, its launches included), with "steps" (synced
         backward passes finished). Totals; divide by "steps" for a step's share."""
         h = self._grad_hooks
-        mark, launch, post = (self._reducer.host_times(reset) if self._reducer is not None
-                              else (0.0, 0.0, 0.0))
+        mark, launch = (self._reducer.host_times(reset) if self._reducer is not None
+                        else (0.0, 0.0))
         out = {"steps": float(self._host_ns["steps"]),
                "forward": self._host_ns["forward"] * 1e-6, "hooks": h.hook_ns * 1e-6,
                "hook_calls": float(h.calls), "wire": h.wire_ns * 1e-6,
                "memory": h.memory_ns * 1e-6, "attach": h.attach_ns * 1e-6,
-               "python": h.slow_ns * 1e-6, "mark": mark, "post": post,
+               "python": h.slow_ns * 1e-6, "mark": mark,
                "launch": launch, "end_of_backward": self._host_ns["end_of_backward"] * 1e-6}
         if reset:
             h.hook_ns = h.wire_ns = h.memory_ns = h.attach_ns = h.slow_ns = h.calls = 0

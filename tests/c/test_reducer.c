@@ -1,7 +1,6 @@
 /* test_reducer.c: unit test of the gradient reducer's logic (csrc/reducer.c) against a fake
  * process group that records every collective and, on wait, averages the bucket with a peer
  * whose gradient is 1.0 everywhere. Built and run by tests/test_wrap_model.py. */
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,18 +32,9 @@ enum { COMM_STREAM = 99 };
 
 ddpc_status ddpc_work_wait(DdpcWork *w);
 
-static pthread_t g_main;          /* the test's thread */
-static int g_posts_off_main;     /* posts made from another thread (the reducer's poster) */
-static int g_fail_post_at;       /* > 0: that post (counted from 1 since the last clear) fails */
-static void *g_post_ready[MAX_LOG]; /* each logged post's ready_event */
-
 ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **out) {
     (void)g;
     if (g_nlog == MAX_LOG) return ddpc_error(DDPC_ERR_INVALID, "fake group: log full");
-    if (g_fail_post_at && g_nlog + 1 == g_fail_post_at)
-        return ddpc_error(DDPC_ERR_PEER, "fake group: post %d failed", g_fail_post_at);
-    if (!pthread_equal(pthread_self(), g_main)) g_posts_off_main++;
-    g_post_ready[g_nlog] = args->ready_event;
     DdpcWork *w = calloc(1, sizeof *w);
     if (!w) return ddpc_error(DDPC_ERR_NOMEM, "fake group: out of memory");
     w->seq = ++g_seq;
@@ -63,36 +53,6 @@ ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **o
     }
     *out = w;
     return DDPC_OK;
-}
-
-int64_t ddpc_group_timeout_ms(const DdpcGroup *g) {
-    (void)g;
-    return 10000;
-}
-
-/* Events: each a distinct int holding how often it was recorded; the last stream it was recorded
- * on is kept beside it. */
-typedef struct {
-    int records;
-    uintptr_t stream;
-} FakeEvent;
-static int g_events_made, g_events_freed;
-
-ddpc_status ddpc_device_event_create(int device, void **event) {
-    (void)device;
-    *event = calloc(1, sizeof(FakeEvent));
-    if (!*event) return ddpc_error(DDPC_ERR_NOMEM, "fake: no memory for an event");
-    g_events_made++;
-    return DDPC_OK;
-}
-ddpc_status ddpc_device_event_record(void *event, uintptr_t stream) {
-    ((FakeEvent *)event)->records++;
-    ((FakeEvent *)event)->stream = stream;
-    return DDPC_OK;
-}
-void ddpc_device_event_destroy(void *event) {
-    if (event) g_events_freed++;
-    free(event);
 }
 
 /* All-reduces of at least this many bytes take the (pretended) staged path; 0: none do. */
@@ -175,7 +135,6 @@ ddpc_status ddpc_device_stream_wait(uintptr_t waiter, uintptr_t signaler) {
 static void clear_log(void) {
     for (int i = 0; i < g_nlog; i++) ddpc_work_release(g_log[i]);
     g_nlog = 0;
-    g_posts_off_main = 0;
 }
 
 static DdpcGroup g_group = {0};
@@ -618,7 +577,6 @@ static void test_device_casts_on_comm_stream(void) {
     int order[3] = {0, 1, 2};
     enum { CALLER = 5 };
     /* mode 0: on the communication stream; 1: staged-size bucket; 2: DDPC_COMM_CASTS=0 */
-    setenv("DDPC_ASYNC_POST", "0", 1); /* (test_async_post covers the poster) */
     for (int mode = 0; mode < 3; mode++) {
         if (mode == 2)
             setenv("DDPC_COMM_CASTS", "0", 1);
@@ -696,93 +654,7 @@ static void test_device_casts_on_comm_stream(void) {
         free(wire);
     }
     unsetenv("DDPC_COMM_CASTS");
-    unsetenv("DDPC_ASYNC_POST");
     g_staged_min = 0;
-}
-
-/* On a device the hooks' launches are posted by the reducer's poster thread, in bucket order,
- * each after the event recorded on the caller's stream at its launch; finalize waits for them
- * and raises the poster's failure; DDPC_ASYNC_POST=0 posts on the caller's thread. */
-static void test_async_post(void) {
-    enum { N = 4, CALLER = 7 };
-    size_t numels[N] = {100, 100, 100, 100};
-    ddpc_dtype dts[N] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
-    int devs[N] = {0, 0, 0, 0};
-    int order[N] = {0, 1, 2, 3};
-    for (int async = 1; async >= 0; async--) {
-        if (async)
-            unsetenv("DDPC_ASYNC_POST");
-        else
-            setenv("DDPC_ASYNC_POST", "0", 1);
-        g_events_made = g_events_freed = 0;
-        DdpcReducer *r = NULL;
-        /* (a bucket per parameter: 400 bytes each, cap 400) */
-        OK(ddpc_reducer_create(&g_group, N, numels, dts, devs, order, NULL, 400, 400, -1, &r));
-        if (!r) continue;
-        EXPECT(ddpc_reducer_num_buckets(r) == N, "%d buckets", ddpc_reducer_num_buckets(r));
-        float *mem[N];
-        for (int b = 0; b < N; b++) {
-            ddpc_dtype dt;
-            int dev;
-            size_t count;
-            OK(ddpc_reducer_bucket_info(r, b, &dt, &dev, &count));
-            mem[b] = calloc(count, sizeof(float));
-            OK(ddpc_reducer_set_bucket_memory(r, b, mem[b]));
-        }
-        for (int step = 0; step < 3; step++) {
-            g_fail_post_at = step == 2 ? 2 : 0;
-            OK(ddpc_reducer_prepare(r));
-            for (int b = 0; b < N; b++) mem[b][0] = (float)(3 * (b + step));
-            /* buckets launch in reverse parameter order: parameter 3's is bucket 0 */
-            ddpc_status st = DDPC_OK;
-            for (int i = N - 1; i >= 0; i--) {
-                ddpc_status m = ddpc_reducer_mark_ready(r, i, CALLER);
-                if (st == DDPC_OK) st = m;
-            }
-            EXPECT(step == 2 || st == DDPC_OK, "async %d: %s", async, ddpc_last_error());
-            int unused = -1;
-            if (st == DDPC_OK) st = ddpc_reducer_finalize(r, CALLER, &unused);
-            if (step == 2) {
-                /* the second post failed: on the poster, finalize says so; else the hook that
-                 * launched it did */
-                EXPECT(st == DDPC_ERR_PEER && strstr(ddpc_last_error(), "post 2 failed"),
-                       "async %d: finalize after a failed post: %d %s", async, (int)st,
-                       ddpc_last_error());
-                EXPECT(g_nlog == 1, "async %d: %d posts after the failed one", async, g_nlog);
-                clear_log();
-                break;
-            }
-            OK(st);
-            EXPECT(g_nlog == N, "async %d step %d: %d posts", async, step, g_nlog);
-            EXPECT(g_posts_off_main == (async ? N : 0), "async %d: %d of %d posts off the "
-                   "caller's thread", async, g_posts_off_main, g_nlog);
-            for (int k = 0; k < g_nlog && k < N; k++) {
-                EXPECT(g_log[k]->args.recv == mem[k], "async %d: post %d is not bucket %d's",
-                       async, k, k);
-                FakeEvent *ev = g_post_ready[k];
-                EXPECT(async ? ev && ev->records == step + 1 && ev->stream == CALLER : !ev,
-                       "async %d: post %d's ready event %p (recorded %d times)", async, k,
-                       (void *)ev, ev ? ev->records : 0);
-            }
-            for (int b = 0; b < N; b++)
-                EXPECT(mem[b][0] == (float)(3 * (b + step) + 1) / 2.0f, "async %d: bucket %d "
-                       "averaged to %g", async, b, (double)mem[b][0]);
-            clear_log();
-        }
-        g_fail_post_at = 0;
-        /* a step after the failed one starts afresh (it says the last one did not finish) */
-        ddpc_status st0 = ddpc_reducer_prepare(r);
-        EXPECT(st0 == DDPC_ERR_INVALID, "async %d: prepare after a failed step: %d %s", async, (int)st0, ddpc_last_error());
-        for (int i = N - 1; i >= 0; i--) OK(ddpc_reducer_mark_ready(r, i, CALLER));
-        OK(ddpc_reducer_finalize(r, CALLER, NULL));
-        EXPECT(g_nlog == N, "async %d: %d posts after the reset", async, g_nlog);
-        clear_log();
-        ddpc_reducer_destroy(r);
-        EXPECT(g_events_made == (async ? N : 0) && g_events_freed == g_events_made,
-               "async %d: %d events made, %d freed", async, g_events_made, g_events_freed);
-        for (int b = 0; b < N; b++) free(mem[b]);
-    }
-    unsetenv("DDPC_ASYNC_POST");
 }
 
 static void test_bad_arguments(void) {
@@ -818,7 +690,6 @@ static void test_bad_arguments(void) {
 }
 
 int main(void) {
-    g_main = pthread_self();
     unsetenv("DDPC_GRAD_BATCH"); /* the tests set it where they need it */
     unsetenv("DDPC_COMM_CASTS");
     test_assignment_and_launch_order();
@@ -827,7 +698,6 @@ int main(void) {
     test_copy_batch_bound();
     test_mark_ready_grad_to_wire();
     test_device_casts_on_comm_stream();
-    test_async_post();
     test_bad_arguments();
     clear_log();
     return check_summary("test_reducer");
