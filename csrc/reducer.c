@@ -651,7 +651,7 @@ static ddpc_status to_wire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
  * the backward's kernels rather than between them: into the wire once that stream has caught up
  * with the caller's (wire_before), and the reduced values back into the slots and the gradients
  * cast from where they lay right behind the collective (unwire_after), so finalize only waits.
- * Both run inside the post, with r->mu held by the poster. */
+ * Both run inside the post, on the thread that posts it, with r->mu held. */
 static ddpc_status wire_before(void *ctx, uintptr_t comm_stream) {
     Bucket *bk = ctx;
     return to_wire(bk->owner, bk, comm_stream);
