@@ -260,13 +260,13 @@ def _worker(rank, args, ports, results):
         variants += [Variant("ddpc per-gradient copies", lambda m: ddpc.wrap_model(m), env=one),
                      Variant("ddpc bf16 per-gradient casts",
                              lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16), env=one)]
-    if args.caller_casts:
+    if args.comm_casts:
         # What casting a bf16 bucket to and from the wire on the communication stream, around
-        # its collective, saves: the casts on the backward's stream and every cast back at the
-        # end of backward (DDPC_COMM_CASTS=0, read when a reducer is made).
-        variants.append(Variant("ddpc bf16 casts on caller stream",
+        # its collective, saves: the casts leave the backward's stream and the casts back leave
+        # the end of backward (DDPC_COMM_CASTS=1, read when a reducer is made).
+        variants.append(Variant("ddpc bf16 casts on comm stream",
                                 lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16),
-                                env={"DDPC_COMM_CASTS": "0"}))
+                                env={"DDPC_COMM_CASTS": "1"}))
     if args.bf16_via_bucket:
         # What casting fresh gradients straight to the wire saves: each copied into its bucket
         # slot first, as before it.
@@ -379,10 +379,10 @@ def main() -> int:
                     help="also run ddpc with each gradient copied (cast) into its bucket as it "
                          "arrives, one launch each (DDPC_GRAD_BATCH=0), instead of a bucket's "
                          "in one launch")
-    ap.add_argument("--caller-casts", action="store_true",
+    ap.add_argument("--comm-casts", action="store_true",
                     help="also run ddpc with bf16 gradients cast to and from the wire on the "
-                         "caller's stream, back at the end of backward (DDPC_COMM_CASTS=0), "
-                         "instead of on the communication stream around each collective")
+                         "communication stream around each all-reduce (DDPC_COMM_CASTS=1) "
+                         "instead of on the caller's stream, back at the end of backward")
     ap.add_argument("--no-ddp-every-rank", action="store_true",
                     help="also time the model without DDP on every rank at once: what the ranks "
                          "cost each other on the host, with no communication")

@@ -454,11 +454,11 @@ class DistributedModel(torch.nn.Module):
 
     def _drop_wires(self) -> None:
         """After the step's finalize: the wire buffers go back to the allocator. Their last
-        readers (the casts back) are queued on the communication stream behind each collective
-        (or, with DDPC_COMM_CASTS=0, on the stream that finalize ran on), and the stream that
-        finalize ran on (current here) waits for them. A wire made on another stream (a gradient
-        hook's side stream) is recorded as used by this one, so the allocator does not hand its
-        memory out on its own stream before these casts are done."""
+        readers (the casts back) are queued on the stream that finalize ran on (current here),
+        behind its wait for the collectives (with DDPC_COMM_CASTS=1, on the communication
+        stream behind each collective, which that stream waits for). A wire made on another
+        stream (a gradient hook's side stream) is recorded as used by this one, so the allocator
+        does not hand its memory out on its own stream before these casts are done."""
         stream = torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
         for b, wire in enumerate(self._wires):
             if wire is not None:

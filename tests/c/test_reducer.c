@@ -569,19 +569,21 @@ static void test_mark_ready_grad_to_wire(void) {
 /* A device bucket reduced in bfloat16: its casts go on the communication stream, around its
  * collective: into the wire, and back into the gradients cast from where they lay and into its
  * slots, so finalize queues no cast. Around an all-reduce that takes the staged path, and with
- * DDPC_COMM_CASTS=0, all go on the caller's stream, and back at finalize. */
+ * without DDPC_COMM_CASTS=1 (the default), all go on the caller's stream, and back at
+ * finalize. */
 static void test_device_casts_on_comm_stream(void) {
     size_t numels[3] = {3, 5, 2};
     ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
     int devs[3] = {0, 0, 0};
     int order[3] = {0, 1, 2};
     enum { CALLER = 5 };
-    /* mode 0: on the communication stream; 1: staged-size bucket; 2: DDPC_COMM_CASTS=0 */
+    /* mode 0: on the communication stream; 1: that, but a staged-size bucket; 2: the default
+     * (DDPC_COMM_CASTS unset) */
     for (int mode = 0; mode < 3; mode++) {
         if (mode == 2)
-            setenv("DDPC_COMM_CASTS", "0", 1);
-        else
             unsetenv("DDPC_COMM_CASTS");
+        else
+            setenv("DDPC_COMM_CASTS", "1", 1);
         g_staged_min = mode == 1 ? 16 : 0;
         DdpcReducer *r = NULL;
         OK(ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 1000, 1000,
