@@ -679,17 +679,20 @@ static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
                  !(staged && bk->count * ddpc_dtype_size(dt) >= staged);
     /* the copies into slots (and, unless they go on the communication stream, the casts) go on
      * the gradients' stream, and the collective's stream waits for them */
-    DDPC_CHECK(flush_due(r, bk, stream, !before));
-    if (before && bk->ndue && bk->device >= 0 && bk->due_stream != stream)
-        DDPC_CHECK(ddpc_device_stream_wait(stream, bk->due_stream));
-    if (wire && !before) DDPC_CHECK(to_wire(r, bk, stream));
+    ddpc_status st = flush_due(r, bk, stream, !before);
+    if (st == DDPC_OK && before && bk->ndue && bk->device >= 0 && bk->due_stream != stream)
+        st = ddpc_device_stream_wait(stream, bk->due_stream);
+    if (st == DDPC_OK && wire && !before) st = to_wire(r, bk, stream);
+    if (st != DDPC_OK)
+        return ddpc_error_prefix(st, "reducer: queueing gradient bucket %d's copies and casts "
+                                 "(%zu x %s): ", b, bk->count, ddpc_dtype_name(bk->dtype));
     DdpcCollArgs a = {
         .op = DDPC_COLL_ALLREDUCE, .send = NULL, .recv = wire ? bk->comm_buf : bk->buf,
         .count = bk->count, .dtype = dt, .redop = DDPC_AVG, .root = 0, .device = bk->device,
         .stream = stream, .before = before ? wire_before : NULL,
         .after = before ? unwire_after : NULL, .hook_ctx = bk,
     };
-    ddpc_status st = ddpc_group_post(r->g, &a, &bk->work);
+    st = ddpc_group_post(r->g, &a, &bk->work);
     if (st != DDPC_OK)
         return ddpc_error_prefix(st, "reducer: all_reduce of gradient bucket %d (%zu x %s): ", b,
                                  bk->count, ddpc_dtype_name(dt));

@@ -101,7 +101,11 @@ int ddpc_group_rank(const DdpcGroup *g) { return g->rank; }
 static uintptr_t g_launch_stream[MAX_LAUNCH];
 static int g_nlaunch;
 
+static uintptr_t g_fail_stream; /* nonzero: launches on this stream fail, as a bad launch would */
+
 static ddpc_status log_launch(uintptr_t s) {
+    if (g_fail_stream && s == g_fail_stream)
+        return ddpc_error(DDPC_ERR_CUDA, "fake: launch on stream %lu failed", (unsigned long)s);
     if (g_nlaunch == MAX_LAUNCH) return ddpc_error(DDPC_ERR_INVALID, "fake: launch log full");
     g_launch_stream[g_nlaunch++] = s;
     return DDPC_OK;
@@ -650,6 +654,20 @@ static void test_device_casts_on_comm_stream(void) {
         OK(ddpc_reducer_mark_ready(r, 2, CALLER));
         OK(ddpc_reducer_finalize(r, CALLER, &unused));
         EXPECT(mem[off[0]] == 3.5f, "mode %d, step 2: slot %g", mode, (double)mem[off[0]]);
+        clear_log();
+        /* a cast that fails to launch (into the wire on the communication stream in mode 0, on
+         * the caller's otherwise) fails the launch: the hook that completed the bucket says so,
+         * naming the bucket, and no collective is left posted */
+        g_fail_stream = mode == 0 ? COMM_STREAM : CALLER;
+        OK(ddpc_reducer_prepare(r));
+        OK(ddpc_reducer_mark_ready(r, 0, CALLER));
+        OK(ddpc_reducer_mark_ready(r, 1, CALLER));
+        ddpc_status st = ddpc_reducer_mark_ready(r, 2, CALLER);
+        EXPECT(st == DDPC_ERR_CUDA && strstr(ddpc_last_error(), "bucket 0") &&
+                   strstr(ddpc_last_error(), "launch on stream"),
+               "mode %d: a failed cast: %d %s", mode, (int)st, ddpc_last_error());
+        EXPECT(g_nlog == 0, "mode %d: %d collectives posted after a failed cast", mode, g_nlog);
+        g_fail_stream = 0;
         clear_log();
         ddpc_reducer_destroy(r);
         free(mem);
