@@ -778,9 +778,9 @@ class DistributedModel(torch.nn.Module):
         copied into), "python" (the Python path: no_sync, and what the C path leaves to it),
         "mark" (queueing each gradient's copy or cast) and "launch" (queueing each bucket's
         collective; also counted in "hooks" or "end_of_backward", where it ran), and
-        "end_of_backward" (the
-        reduction queued at the end of backward, its launches included), with "steps" (synced
-        backward passes finished). Totals; divide by "steps" for a step's share."""
+        "end_of_backward" (the reduction queued at the end of backward, its launches included),
+        with "steps" (synced backward passes finished). Totals; divide by "steps" for a step's
+        share."""
         h = self._grad_hooks
         mark, launch = (self._reducer.host_times(reset) if self._reducer is not None
                         else (0.0, 0.0))
