@@ -36,7 +36,8 @@ ddpc_status ddpc_error_prefix(ddpc_status st, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(pre, sizeof pre, fmt, ap);
     va_end(ap);
-    snprintf(tls_msg, sizeof tls_msg, "%s%s", pre, old);
+    /* (a message too long for the buffer is cut: its start says the most) */
+    if (snprintf(tls_msg, sizeof tls_msg, "%s%s", pre, old) < 0) tls_msg[0] = '\0';
     return st;
 }
 

@@ -848,15 +848,21 @@ def test_forward_after_a_failed_backward_reports_it_even_under_no_sync(runs):
         assert r["local_err"] < 1e-12, r
 
 
-def test_reducer_c_unit():
+@pytest.mark.parametrize("sanitize", [False, True], ids=["O2", "asan_ubsan"])
+def test_reducer_c_unit(sanitize):
+    """The reducer's C unit test, also under AddressSanitizer and UndefinedBehaviorSanitizer
+    (an overrun of the reducer's per-parameter arrays, or a use after free, fails it)."""
     os.makedirs(os.path.join(HERE, "c", "bin"), exist_ok=True)
-    exe = os.path.join(HERE, "c", "bin", "test_reducer")
+    exe = os.path.join(HERE, "c", "bin", "test_reducer" + ("_asan" if sanitize else ""))
     srcs = [os.path.join(HERE, "c", "test_reducer.c")] + [
         os.path.join(ROOT, "csrc", f) for f in ("reducer.c", "common.c", "reduce.c")]
-    cc = subprocess.run(["gcc", "-O2", "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra",
+    flags = (["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+              "-fno-sanitize-recover=all"] if sanitize else ["-O2"])
+    cc = subprocess.run(["gcc", *flags, "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra",
                          "-Werror", "-I", os.path.join(ROOT, "csrc"), "-pthread", *srcs, "-o",
                          exe, "-lm"], capture_output=True, text=True, timeout=120)
     assert cc.returncode == 0, cc.stderr
-    run = subprocess.run([exe], capture_output=True, text=True, timeout=60)
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0")
+    run = subprocess.run([exe], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr + run.stdout
     assert "all checks passed" in run.stdout
