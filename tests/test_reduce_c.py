@@ -11,15 +11,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, "tests", "c", "bin")
 
 
-def build(name: str, sources: list) -> str:
+SANITIZE = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+            "-fno-sanitize-recover=all"]
+
+
+def build(name: str, sources: list, sanitize: bool = False) -> str:
     """Compiles tests/c/<name>.c with the given csrc sources (at -O3, as setup.py does, so the
-    vectorized loops are what gets tested); returns the binary's path."""
+    vectorized loops are what gets tested; or under AddressSanitizer and
+    UndefinedBehaviorSanitizer); returns the binary's path."""
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         pytest.skip("no C compiler (gcc/cc) on PATH")
     os.makedirs(BIN, exist_ok=True)
-    out = os.path.join(BIN, name)
-    cmd = [cc, "-std=c11", "-D_GNU_SOURCE", "-O3", "-Wall", "-Wextra",
+    out = os.path.join(BIN, name + ("_asan" if sanitize else ""))
+    cmd = [cc, "-std=c11", "-D_GNU_SOURCE", *(SANITIZE if sanitize else ["-O3"]), "-Wall",
+           "-Wextra",
            "-I", os.path.join(ROOT, "csrc"), "-pthread",
            os.path.join(ROOT, "tests", "c", name + ".c")]
     cmd += [os.path.join(ROOT, "csrc", s) for s in sources] + ["-lm", "-o", out]
@@ -28,8 +34,9 @@ def build(name: str, sources: list) -> str:
     return out
 
 
-def test_reduce_c():
-    exe = build("test_reduce", ["reduce.c", "common.c"])
+@pytest.mark.parametrize("sanitize", [False, True], ids=["O3", "asan_ubsan"])
+def test_reduce_c(sanitize):
+    exe = build("test_reduce", ["reduce.c", "common.c"], sanitize)
     res = subprocess.run([exe], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, f"test_reduce failed:\n{res.stdout}\n{res.stderr}"
     assert res.stdout.startswith("ok: "), res.stdout

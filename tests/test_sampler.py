@@ -60,13 +60,16 @@ def padded_list(per_rank: List[List[int]]) -> List[int]:
 # ------------------------------------------------------------------------- the C unit test
 
 
-def test_c_unit():
+@pytest.mark.parametrize("sanitize", [False, True], ids=["O3", "asan_ubsan"])
+def test_c_unit(sanitize):
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         pytest.skip("no C compiler (gcc/cc) on PATH")
     os.makedirs(BIN, exist_ok=True)
-    exe = os.path.join(BIN, "test_sampler")
-    cmd = [cc, "-std=c11", "-D_GNU_SOURCE", "-O3", "-Wall", "-Wextra", "-Werror", "-pthread",
+    exe = os.path.join(BIN, "test_sampler" + ("_asan" if sanitize else ""))
+    opt = (["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+            "-fno-sanitize-recover=all"] if sanitize else ["-O3"])
+    cmd = [cc, "-std=c11", "-D_GNU_SOURCE", *opt, "-Wall", "-Wextra", "-Werror", "-pthread",
            "-I", os.path.join(ROOT, "csrc"), os.path.join(ROOT, "tests", "c", "test_sampler.c"),
            os.path.join(ROOT, "csrc", "sampler.c"), os.path.join(ROOT, "csrc", "common.c"),
            "-lm", "-o", exe]

@@ -135,11 +135,14 @@ def still_serves(port: int, tag: str) -> None:
 
 # ---------------------------------------------------------------- the C unit test
 
-def test_c_unit_test() -> None:
+@pytest.mark.parametrize("sanitize", [False, True], ids=["O1", "asan_ubsan"])
+def test_c_unit_test(sanitize: bool) -> None:
     out_dir = ROOT / "tests" / "c" / "bin"
     out_dir.mkdir(parents=True, exist_ok=True)
-    exe = out_dir / "test_store"
-    cmd = ["gcc", "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-O1", "-g", "-Icsrc",
+    exe = out_dir / ("test_store_asan" if sanitize else "test_store")
+    san = (["-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+            "-fno-sanitize-recover=all"] if sanitize else [])
+    cmd = ["gcc", "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-O1", "-g", *san, "-Icsrc",
            "-pthread", "tests/c/test_store.c", "csrc/store.c", "csrc/common.c", "-o", str(exe)]
     build = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert build.returncode == 0, build.stderr
