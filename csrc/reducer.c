@@ -543,6 +543,21 @@ static ddpc_status cast_params(DdpcReducer *r, const Bucket *bk, int direct, int
     return DDPC_OK;
 }
 
+/* bk's due copies (and, when casts, its due casts) are queued: nothing of them waits any more. A
+ * copied gradient's source is not read again; a cast one stays at grad_at for the cast back. */
+static void dues_queued(DdpcReducer *r, Bucket *bk, int casts) {
+    for (int j = 0; bk->ndue && j < bk->nparams; j++) {
+        int p = r->bucket_params[bk->first + j];
+        if (r->due[p] == DUE_COPY)
+            r->grad_at[p] = NULL;
+        else if (!casts || !r->due[p])
+            continue;
+        r->due[p] = 0;
+        bk->ndue--;
+    }
+    bk->due_copy_bytes = 0;
+}
+
 /* Queues the copies into slots and casts to the wire that bk's gradients wait for, in a few
  * launches on the stream they came on; then work queued on `then` comes after them (what
  * autograd did to order the caller's streams happened before these were queued). The copied
@@ -582,18 +597,7 @@ static ddpc_status flush_due(DdpcReducer *r, Bucket *bk, uintptr_t then, int cas
     }
     if (casts) DDPC_CHECK(cast_params(r, bk, 1, 1, r->due, bk->due_stream));
     if (bk->device >= 0) DDPC_CHECK(ddpc_device_stream_wait(then, bk->due_stream));
-    for (int j = 0; j < bk->nparams; j++) {
-        int p = r->bucket_params[bk->first + j];
-        if (r->due[p] == DUE_COPY) {
-            r->grad_at[p] = NULL;
-            r->due[p] = 0;
-            bk->ndue--;
-        } else if (casts && r->due[p]) {
-            r->due[p] = 0;
-            bk->ndue--;
-        }
-    }
-    bk->due_copy_bytes = 0;
+    dues_queued(r, bk, casts);
     return DDPC_OK;
 }
 
@@ -637,22 +641,17 @@ static ddpc_status to_wire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
                               bk->count, stream));
     else /* the gradients in their slots join those cast to the wire on arrival */
         DDPC_CHECK(cast_params(r, bk, 0, 1, NULL, stream));
-    for (int j = 0; bk->ndue && j < bk->nparams; j++) {
-        int p = r->bucket_params[bk->first + j];
-        if (r->due[p]) {
-            r->due[p] = 0;
-            bk->ndue--;
-        }
-    }
+    dues_queued(r, bk, 1);
     return DDPC_OK;
 }
 
 /* With DDPC_COMM_CASTS=1 (off by default: no consistent gain in session 7's paired runs, -0.003
  * on average over four), a device wire bucket's casts go on the communication stream, around its
- * collective, beside the backward's kernels rather than between them: into the wire once that stream has caught up
- * with the caller's (wire_before), and the reduced values back into the slots and the gradients
- * cast from where they lay right behind the collective (unwire_after), so finalize only waits.
- * Both run inside the post, on the thread that posts it, with r->mu held. */
+ * collective, beside the backward's kernels rather than between them: into the wire once that
+ * stream has caught up with the caller's (wire_before), and the reduced values back into the
+ * slots and the gradients cast from where they lay right behind the collective (unwire_after),
+ * so finalize only waits. Both run inside the post, on the thread that posts it, with r->mu
+ * held. */
 static ddpc_status wire_before(void *ctx, uintptr_t comm_stream) {
     Bucket *bk = ctx;
     return to_wire(bk->owner, bk, comm_stream);
@@ -680,7 +679,7 @@ static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
     /* the copies into slots (and, unless they go on the communication stream, the casts) go on
      * the gradients' stream, and the collective's stream waits for them */
     ddpc_status st = flush_due(r, bk, stream, !before);
-    if (st == DDPC_OK && before && bk->ndue && bk->device >= 0 && bk->due_stream != stream)
+    if (st == DDPC_OK && before && bk->ndue && bk->due_stream != stream)
         st = ddpc_device_stream_wait(stream, bk->due_stream);
     if (st == DDPC_OK && wire && !before) st = to_wire(r, bk, stream);
     if (st != DDPC_OK)
