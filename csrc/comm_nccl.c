@@ -1292,81 +1292,28 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
 
 typedef struct {
     int32_t ok;
-    int32_t peer;         /* the slots in the GPUs' memory over P2P (DDPC_STAGED_ALLREDUCE=peer) */
     uint64_t chunk_bytes; /* rank 0's is used by all, like min_bytes */
     uint64_t min_bytes;
     char host[256];
     char shm[96]; /* rank 0's segment */
 } StagedVote;
 
-typedef struct {
-    int32_t ok;
-    unsigned char handle[DDPC_STAGED_HANDLE_BYTES];
-} StagedHandle;
-
-/* Peer mode: every rank publishes its region's IPC handle (or that it has none) and maps every
- * peer's. Sets *ok to 0 and why when anything failed on this rank. */
-static ddpc_status staged_map_peers(NcclImpl *im, DdpcStaged *s, int64_t deadline, int *ok,
-                                    char *why, size_t why_len) {
-    DdpcGroup *g = im->g;
-    char key[256];
-    StagedHandle mine;
-    memset(&mine, 0, sizeof mine);
-    mine.ok = *ok && s && ddpc_staged_export(s, mine.handle) == DDPC_OK;
-    if (*ok && !mine.ok) {
-        snprintf(why, why_len, "%s", ddpc_last_error());
-        *ok = 0;
-    }
-    ddpc_group_key(g, key, sizeof key, "staged/ipc/%d", g->rank);
-    DDPC_CHECK(ddpc_store_set(g->store, key, &mine, sizeof mine));
-    for (int r = 0; r < g->world; r++) {
-        void *val = NULL;
-        size_t len = 0;
-        ddpc_group_key(g, key, sizeof key, "staged/ipc/%d", r);
-        DDPC_CHECK(fast_get(g, key, deadline, &val, &len));
-        if (len != sizeof(StagedHandle)) {
-            free(val);
-            return ddpc_error(DDPC_ERR_PROTOCOL, "%s holds %zu bytes, not %zu: the ranks run "
-                              "different ddpc builds", key, len, sizeof(StagedHandle));
-        }
-        StagedHandle *h = val;
-        if (*ok && !h->ok) {
-            snprintf(why, why_len, "rank %d could not share its staging memory", r);
-            *ok = 0;
-        }
-        if (*ok && r != g->rank && ddpc_staged_map_peer(s, r, h->handle) != DDPC_OK) {
-            snprintf(why, why_len, "%s", ddpc_last_error());
-            *ok = 0;
-        }
-        free(val);
-    }
-    return DDPC_OK;
-}
-
-/* The copy-engine path (staged.h) for all-reduces of at least DDPC_STAGED_MIN_BYTES (1 MiB;
- * peer mode 4 MiB): through pinned host memory when DDPC_STAGED_ALLREDUCE=1, or by default when
- * NCCL_P2P_DISABLE is set; through the GPUs' own memory over P2P when DDPC_STAGED_ALLREDUCE=peer
- * (and P2P is not disabled); and every rank is on this host. Like fast_setup, every rank votes so
- * all take the same path, and a "no" only leaves the large all-reduces to NCCL. */
+/* The copy-engine path (staged.h) for all-reduces of at least DDPC_STAGED_MIN_BYTES (1 MiB):
+ * on when DDPC_STAGED_ALLREDUCE=1, or by default when NCCL_P2P_DISABLE is set, and every rank is
+ * on this host. Like fast_setup, every rank votes so all take the same path, and a "no" only
+ * leaves the large all-reduces to NCCL. */
 static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
     DdpcGroup *g = im->g;
     char key[256], why[256] = "";
     const char *env = getenv("DDPC_STAGED_ALLREDUCE"), *p2p = getenv("NCCL_P2P_DISABLE");
     int wanted = env && env[0] ? env_truthy(env) : env_truthy(p2p);
-    int peer = wanted && env && !strcmp(env, "peer");
-    if (peer && env_truthy(p2p)) {
-        DDPC_INFO("NCCL", "rank %d: DDPC_STAGED_ALLREDUCE=peer, but NCCL_P2P_DISABLE=%s: staging "
-                  "through host memory instead", g->rank, p2p);
-        peer = 0;
-    }
     if (g->world < 2) return DDPC_OK;
     StagedVote mine;
     memset(&mine, 0, sizeof mine);
     ddpc_group_host_id(g, mine.host, sizeof mine.host);
-    mine.peer = peer;
-    size_t chunk = ddpc_staged_chunk_bytes(g->world, peer);
+    size_t chunk = ddpc_staged_chunk_bytes(g->world);
     mine.chunk_bytes = chunk;
-    size_t min_bytes = (size_t)(peer ? 4 : 1) << 20;
+    size_t min_bytes = (size_t)1 << 20;
     const char *mv = getenv("DDPC_STAGED_MIN_BYTES");
     if (mv && *mv) {
         char *end;
@@ -1389,7 +1336,7 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
         clock_gettime(CLOCK_MONOTONIC, &ts);
         snprintf(mine.shm, sizeof mine.shm, "/ddpc-stg-%d-%llx", (int)getpid(),
                  (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec);
-        if (ddpc_staged_open(0, g->world, chunk, mine.shm, 1, peer, &s) != DDPC_OK)
+        if (ddpc_staged_open(0, g->world, chunk, mine.shm, 1, &s) != DDPC_OK)
             snprintf(why, sizeof why, "%s", ddpc_last_error());
     }
     mine.ok = !why[0];
@@ -1414,13 +1361,6 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
         v->host[sizeof v->host - 1] = '\0';
         v->shm[sizeof v->shm - 1] = '\0';
         vote_verdict(v->ok, v->host, mine.host, r, &all_ok, why, sizeof why);
-        if (all_ok && v->peer != mine.peer) {
-            snprintf(why, sizeof why, "rank %d %s the GPUs' memory (DDPC_STAGED_ALLREDUCE=peer) "
-                     "and rank %d %s: set it alike on every rank", r,
-                     v->peer ? "stages through" : "does not stage through", g->rank,
-                     mine.peer ? "does" : "does not");
-            all_ok = 0;
-        }
         if (r == 0) zero = *v;
         free(val);
     }
@@ -1439,16 +1379,9 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
                           "run different ddpc builds", chunk);
     }
     if (g->rank != 0 &&
-        ddpc_staged_open(g->rank, g->world, chunk, zero.shm, 0, peer, &s) != DDPC_OK) {
+        ddpc_staged_open(g->rank, g->world, chunk, zero.shm, 0, &s) != DDPC_OK) {
         snprintf(why, sizeof why, "%s", ddpc_last_error());
         all_ok = 0;
-    }
-    if (peer) {
-        st = staged_map_peers(im, s, deadline, &all_ok, why, sizeof why);
-        if (st != DDPC_OK) {
-            if (s) ddpc_staged_close(s, 0, 0);
-            return st;
-        }
     }
     /* Second vote: did every rank map the segment? Then rank 0 removes its name. */
     int enabled = 0;
@@ -1474,10 +1407,8 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
     const char *ov = getenv("DDPC_STAGED_OVERLAP");
     im->staged_overlap = !ov || !ov[0] || env_truthy(ov);
     g->staged_min_bytes = im->staged_min_bytes;
-    g->staged_peer = peer;
-    DDPC_INFO("NCCL", "rank %d: all-reduces of %zu bytes or more go through %s on the copy "
-              "engines (%zu-byte chunks)", g->rank, im->staged_min_bytes,
-              peer ? "the GPUs' memory over P2P" : "pinned host memory", chunk);
+    DDPC_INFO("NCCL", "rank %d: all-reduces of %zu bytes or more go through pinned host memory on "
+              "the copy engines (%zu-byte chunks)", g->rank, im->staged_min_bytes, chunk);
     return DDPC_OK;
 }
 

@@ -235,8 +235,6 @@ ddpc_status ddpc_group_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *args, in
 size_t ddpc_group_fast_max_bytes(const DdpcGroup *g);
 /* The smallest all-reduce that takes the nccl backend's staged copy-engine path (0: none). */
 size_t ddpc_group_staged_min_bytes(const DdpcGroup *g);
-/* 1 when that path stages through the GPUs' own memory over P2P, 0 through pinned host memory. */
-int ddpc_group_staged_peer(const DdpcGroup *g);
 /* Blocks (interruptibly, in slices) until the work is done or its deadline passes. For device
  * work this waits for the host side only when host is set; otherwise see ddpc_work_wait_stream. */
 ddpc_status ddpc_work_wait(DdpcWork *w);

@@ -287,7 +287,6 @@ ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **o
 
 size_t ddpc_group_fast_max_bytes(const DdpcGroup *g) { return g->fast_max_bytes; }
 size_t ddpc_group_staged_min_bytes(const DdpcGroup *g) { return g->staged_min_bytes; }
-int ddpc_group_staged_peer(const DdpcGroup *g) { return g->staged_min_bytes ? g->staged_peer : 0; }
 
 ddpc_status ddpc_group_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *args, int *ran) {
     *ran = 0;

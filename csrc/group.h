@@ -55,7 +55,6 @@ struct DdpcGroup {
     char transport[16];     /* set by the backend's init: "shm", "tcp", "nccl" */
     size_t fast_max_bytes;  /* set by the backend's init: all_reduce_now's limit (0: none) */
     size_t staged_min_bytes;/* nccl: all-reduces from this size use the staged path (0: none) */
-    int staged_peer;        /* nccl: ... through the GPUs' memory over P2P (else pinned host) */
     const DdpcBackendOps *ops;
     void *impl;
     pthread_mutex_t mu;     /* guards next_seq */

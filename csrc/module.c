@@ -611,13 +611,6 @@ static PyObject *Group_get_staged_min_bytes(GroupObject *self, void *c) {
     return group_ready(self) ? PyLong_FromSize_t(ddpc_group_staged_min_bytes(self->g)) : NULL;
 }
 
-static PyObject *Group_get_staged_via(GroupObject *self, void *c) {
-    (void)c;
-    if (!group_ready(self)) return NULL;
-    if (!ddpc_group_staged_min_bytes(self->g)) Py_RETURN_NONE;
-    return PyUnicode_FromString(ddpc_group_staged_peer(self->g) ? "peer" : "host");
-}
-
 static PyGetSetDef Group_getset[] = {
     {"rank", (getter)Group_get_rank, NULL, NULL, NULL},
     {"world_size", (getter)Group_get_size, NULL, NULL, NULL},
@@ -627,10 +620,8 @@ static PyGetSetDef Group_getset[] = {
     {"fast_max_bytes", (getter)Group_get_fast_max_bytes, NULL,
      "largest all_reduce that takes the one-shot path (bytes; 0: none)", NULL},
     {"staged_min_bytes", (getter)Group_get_staged_min_bytes, NULL,
-     "smallest all_reduce that takes the staged copy-engine path (bytes; 0: none)", NULL},
-    {"staged_via", (getter)Group_get_staged_via, NULL,
-     "where that path stages: 'host' (pinned host memory), 'peer' (the GPUs' memory over P2P), "
-     "or None", NULL},
+     "smallest all_reduce that goes through pinned host memory on the copy engines (bytes; 0: "
+     "none)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -17,9 +17,6 @@
 
 #include "common.h"
 
-_Static_assert(sizeof(cudaIpcMemHandle_t) == DDPC_STAGED_HANDLE_BYTES,
-               "DDPC_STAGED_HANDLE_BYTES must be the size of a CUDA IPC handle");
-
 typedef CUresult (*StreamValueFn)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
 /* One sender's counters in one receiver's mailbox, each written only by that sender's GPU (or by
@@ -54,11 +51,6 @@ struct DdpcStaged {
     StreamValueFn wait_value, write_value;
     char name[96];
     int unlinked;
-    /* Peer mode: the slots are device memory, each rank's in its own GPU, written by the peers
-     * over P2P (CUDA IPC); the shared host segment holds only the mailboxes. */
-    int peer;
-    char *region;                              /* this rank's slots */
-    char *peer_region[DDPC_STAGED_MAX_RANKS]; /* every other rank's, mapped here */
 };
 
 int ddpc_staged_supported(ddpc_dtype dt, ddpc_redop op) {
@@ -72,7 +64,7 @@ static size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
  * (each chunk costs about 16 queued operations), halved while the segment would take more than
  * half of /dev/shm's free space (docker's default /dev/shm is 64 MiB). DDPC_STAGED_CHUNK_BYTES
  * sets it exactly; rank 0's choice holds for all ranks. */
-size_t ddpc_staged_chunk_bytes(int world, int peer) {
+size_t ddpc_staged_chunk_bytes(int world) {
     const char *v = getenv("DDPC_STAGED_CHUNK_BYTES");
     if (v && *v) {
         char *end;
@@ -85,9 +77,9 @@ size_t ddpc_staged_chunk_bytes(int world, int peer) {
     }
     size_t cb = round_up(((size_t)32 << 20) / (size_t)(world > 1 ? world : 2), 4096);
     struct statvfs fs;
-    if (!peer && statvfs("/dev/shm", &fs) == 0) {
+    if (statvfs("/dev/shm", &fs) == 0) {
         size_t avail = (size_t)fs.f_bavail * (size_t)fs.f_frsize;
-        while (cb > ((size_t)256 << 10) && ddpc_staged_segment_bytes(world, cb, 0) > avail / 2)
+        while (cb > ((size_t)256 << 10) && ddpc_staged_segment_bytes(world, cb) > avail / 2)
             cb = round_up(cb / 2, 4096);
     }
     return cb;
@@ -105,17 +97,9 @@ static size_t mail_bytes(int world) {
 
 static volatile uint32_t *aborted_word(const DdpcStaged *s, int r);
 
-size_t ddpc_staged_segment_bytes(int world, size_t chunk_bytes, int peer) {
-    if (peer) return mail_bytes(world);
+size_t ddpc_staged_segment_bytes(int world, size_t chunk_bytes) {
     return mail_bytes(world) + (size_t)world * DDPC_STAGED_SLOTS *
                                    (chunk_bytes + seg_cap_of(world, chunk_bytes));
-}
-
-/* Peer mode: a rank's device region holds, per other rank (its index among them) and slot, an
- * in slot (that rank's copy of this rank's segment of a chunk) and then an out slot (that rank's
- * reduced segment). */
-size_t ddpc_staged_region_bytes(int world, size_t chunk_bytes) {
-    return 2 * (size_t)(world - 1) * DDPC_STAGED_SLOTS * seg_cap_of(world, chunk_bytes);
 }
 
 static ddpc_status get_entry(const char *sym, StreamValueFn *fn) {
@@ -131,9 +115,6 @@ static ddpc_status get_entry(const char *sym, StreamValueFn *fn) {
 }
 
 static void staged_free(DdpcStaged *s) {
-    for (int r = 0; r < DDPC_STAGED_MAX_RANKS; r++)
-        if (s->peer_region[r]) (void)cudaIpcCloseMemHandle(s->peer_region[r]);
-    if (s->region) (void)cudaFree(s->region);
     if (s->scratch) (void)cudaFree(s->scratch);
     if (s->start) (void)cudaEventDestroy(s->start);
     if (s->reduced) (void)cudaEventDestroy(s->reduced);
@@ -150,7 +131,7 @@ static void staged_free(DdpcStaged *s) {
 }
 
 ddpc_status ddpc_staged_open(int rank, int world, size_t chunk_bytes, const char *shm_name,
-                             int create, int peer, DdpcStaged **out) {
+                             int create, DdpcStaged **out) {
     *out = NULL;
     if (world < 2 || world > DDPC_STAGED_MAX_RANKS || rank < 0 || rank >= world)
         return ddpc_error(DDPC_ERR_INVALID, "staged all-reduce: rank %d of %d (it takes 2 to %d "
@@ -161,8 +142,7 @@ ddpc_status ddpc_staged_open(int rank, int world, size_t chunk_bytes, const char
     s->world = world;
     s->chunk_bytes = chunk_bytes;
     s->seg_cap = seg_cap_of(world, chunk_bytes);
-    s->peer = peer;
-    s->map_len = ddpc_staged_segment_bytes(world, chunk_bytes, peer);
+    s->map_len = ddpc_staged_segment_bytes(world, chunk_bytes);
     s->send_off = mail_bytes(world);
     s->out_off = s->send_off + (size_t)world * DDPC_STAGED_SLOTS * chunk_bytes;
     snprintf(s->name, sizeof s->name, "%s", shm_name);
@@ -227,49 +207,12 @@ ddpc_status ddpc_staged_open(int rank, int world, size_t chunk_bytes, const char
     DDPC_CUDACHECK_GOTO(cudaEventCreateWithFlags(&s->reduced, cudaEventDisableTiming), st, fail);
     DDPC_CUDACHECK_GOTO(cudaEventCreateWithFlags(&s->side_done, cudaEventDisableTiming), st, fail);
     DDPC_CUDACHECK_GOTO(cudaEventCreateWithFlags(&s->pub_done, cudaEventDisableTiming), st, fail);
-    if (peer) {
-        /* The peers write into it (zeroed: a released stream after an abort may reduce it). */
-        size_t rb = ddpc_staged_region_bytes(world, chunk_bytes);
-        DDPC_CUDACHECK_GOTO(cudaMalloc((void **)&s->region, rb), st, fail);
-        DDPC_CUDACHECK_GOTO(cudaMemset(s->region, 0, rb), st, fail);
-        DDPC_CUDACHECK_GOTO(cudaDeviceSynchronize(), st, fail);
-    } else {
-        DDPC_CUDACHECK_GOTO(cudaMalloc(&s->scratch, (size_t)(world - 1) * s->seg_cap), st, fail);
-    }
+    DDPC_CUDACHECK_GOTO(cudaMalloc(&s->scratch, (size_t)(world - 1) * s->seg_cap), st, fail);
     *out = s;
     return DDPC_OK;
 fail:
     staged_free(s);
     return st;
-}
-
-ddpc_status ddpc_staged_export(DdpcStaged *s, void *handle) {
-    if (!s->peer || !s->region)
-        return ddpc_error(DDPC_ERR_INVALID, "staged all-reduce: no device region to share (not "
-                          "in peer mode)");
-    cudaIpcMemHandle_t h;
-    DDPC_CUDACHECK(cudaIpcGetMemHandle(&h, s->region));
-    memcpy(handle, &h, sizeof h);
-    return DDPC_OK;
-}
-
-ddpc_status ddpc_staged_map_peer(DdpcStaged *s, int r, const void *handle) {
-    if (!s->peer || r < 0 || r >= s->world || r == s->rank || s->peer_region[r])
-        return ddpc_error(DDPC_ERR_INVALID, "staged all-reduce: rank %d cannot map rank %d's "
-                          "region", s->rank, r);
-    cudaIpcMemHandle_t h;
-    memcpy(&h, handle, sizeof h);
-    void *p = NULL;
-    cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
-    if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        return ddpc_error(DDPC_ERR_CUDA, "mapping rank %d's staging memory into rank %d failed: "
-                          "%s (%s); the GPUs need P2P access to each other (set "
-                          "DDPC_STAGED_ALLREDUCE=1 to stage through host memory)", r, s->rank,
-                          cudaGetErrorName(e), cudaGetErrorString(e));
-    }
-    s->peer_region[r] = p;
-    return DDPC_OK;
 }
 
 void ddpc_staged_unlink(DdpcStaged *s) {
@@ -307,14 +250,6 @@ static char *out_slot(const DdpcStaged *s, int r, int slot) {
     return s->map + s->out_off + ((size_t)r * DDPC_STAGED_SLOTS + (size_t)slot) * s->seg_cap;
 }
 
-/* Peer mode: in `receiver`'s region, the in slot (or out slot) that `sender` writes. */
-static char *peer_slot(const DdpcStaged *s, int receiver, int sender, int slot, int out) {
-    char *base = receiver == s->rank ? s->region : s->peer_region[receiver];
-    size_t idx = (size_t)(sender < receiver ? sender : sender - 1);
-    size_t per = (size_t)(s->world - 1) * DDPC_STAGED_SLOTS;
-    return base + ((out ? per : 0) + idx * DDPC_STAGED_SLOTS + (size_t)slot) * s->seg_cap;
-}
-
 static ddpc_status cu_check(CUresult r, const char *what, uint32_t value) {
     if (r == CUDA_SUCCESS) return DDPC_OK;
     return ddpc_error(DDPC_ERR_CUDA, "%s (value %u) failed with CUresult %d", what, value, (int)r);
@@ -344,21 +279,12 @@ static ddpc_status copy(void *dst, const void *src, size_t bytes, cudaStream_t s
     return DDPC_OK;
 }
 
-/* 1 (send stream): the segments this rank does not own, into its send slot (peer mode: each
- * straight into its owner's in slot, over P2P). */
+/* 1 (send stream): the segments this rank does not own, into its send slot. */
 static ddpc_status send_chunk(DdpcStaged *s, const Chunk *c, size_t es) {
     const int r = s->rank;
     for (int q = 0; q < s->world; q++)
         if (q != r)
             DDPC_CHECK(wait_peer(s, s->side, q, F_READ_SEND, c->t - DDPC_STAGED_SLOTS + 1));
-    if (s->peer) {
-        for (int q = 0; q < s->world; q++) {
-            if (q == r) continue;
-            size_t off = seg_start(c, q), n = seg_start(c, q + 1) - off;
-            DDPC_CHECK(copy(peer_slot(s, q, r, c->slot, 0), c->base + off * es, n * es, s->side));
-        }
-        return signal_peers(s, s->side, F_SENT, c->t + 1);
-    }
     char *slot = send_slot(s, r, c->slot);
     size_t own0 = seg_start(c, r), own1 = seg_start(c, r + 1);
     DDPC_CHECK(copy(slot, c->base, own0 * es, s->side));
@@ -373,20 +299,6 @@ static ddpc_status reduce_chunk(DdpcStaged *s, const Chunk *c, size_t es, ddpc_d
     size_t off = seg_start(c, r), n = seg_start(c, r + 1) - off;
     const void *srcs[DDPC_STAGED_MAX_RANKS];
     int k = 0;
-    if (s->peer) {
-        /* The peers' copies are in this GPU's in slots already; the slots are free again once
-         * the kernel has read them. */
-        for (int q = 0; q < s->world; q++) {
-            if (q == r) continue;
-            DDPC_CHECK(wait_peer(s, stream, q, F_SENT, c->t + 1));
-            srcs[k++] = peer_slot(s, r, q, c->slot, 0);
-        }
-        DDPC_CHECK(ddpc_device_reduce_into(c->base + off * es, srcs, k, dt, n, div,
-                                           (uintptr_t)stream));
-        DDPC_CHECK(signal_peers(s, stream, F_READ_SEND, c->t + 1));
-        DDPC_CUDACHECK(cudaEventRecord(s->reduced, stream));
-        return DDPC_OK;
-    }
     for (int q = 0; q < s->world; q++) {
         if (q == r) continue;
         DDPC_CHECK(wait_peer(s, stream, q, F_SENT, c->t + 1));
@@ -400,9 +312,8 @@ static ddpc_status reduce_chunk(DdpcStaged *s, const Chunk *c, size_t es, ddpc_d
     return DDPC_OK;
 }
 
-/* 3 (publish stream): this rank's reduced segment into its out slot (peer mode: into every
- * peer's out slot for it, over P2P). The event was recorded by reduce_chunk of this chunk and not
- * yet re-recorded (the caller's order guarantees it). */
+/* 3 (publish stream): this rank's reduced segment into its out slot. The event was recorded by
+ * reduce_chunk of this chunk and not yet re-recorded (the caller's order guarantees it). */
 static ddpc_status publish_chunk(DdpcStaged *s, const Chunk *c, size_t es) {
     const int r = s->rank;
     DDPC_CUDACHECK(cudaStreamWaitEvent(s->pub, s->reduced, 0));
@@ -410,39 +321,18 @@ static ddpc_status publish_chunk(DdpcStaged *s, const Chunk *c, size_t es) {
         if (q != r)
             DDPC_CHECK(wait_peer(s, s->pub, q, F_READ_OUT, c->t - DDPC_STAGED_SLOTS + 1));
     size_t off = seg_start(c, r), n = seg_start(c, r + 1) - off;
-    if (s->peer) {
-        for (int q = 0; q < s->world; q++)
-            if (q != r)
-                DDPC_CHECK(copy(peer_slot(s, q, r, c->slot, 1), c->base + off * es, n * es,
-                                s->pub));
-    } else {
-        DDPC_CHECK(copy(out_slot(s, r, c->slot), c->base + off * es, n * es, s->pub));
-    }
+    DDPC_CHECK(copy(out_slot(s, r, c->slot), c->base + off * es, n * es, s->pub));
     return signal_peers(s, s->pub, F_REDUCED, c->t + 1);
 }
 
-/* 4 (the caller's stream): the peers' reduced segments into the buffer (peer mode: from this
- * GPU's out slots, where the peers wrote them, with one copy kernel: the copy engines are busy
- * moving the next chunks between the GPUs, and a local copy queued behind them would wait). */
-static ddpc_status gather_chunk(DdpcStaged *s, const Chunk *c, size_t es, ddpc_dtype dt,
-                                cudaStream_t stream) {
-    void *dsts[DDPC_STAGED_MAX_RANKS];
-    const void *srcs[DDPC_STAGED_MAX_RANKS];
-    size_t counts[DDPC_STAGED_MAX_RANKS];
-    int k = 0;
+/* 4 (the caller's stream): the peers' reduced segments into the buffer. */
+static ddpc_status gather_chunk(DdpcStaged *s, const Chunk *c, size_t es, cudaStream_t stream) {
     for (int q = 0; q < s->world; q++) {
         if (q == s->rank) continue;
         DDPC_CHECK(wait_peer(s, stream, q, F_REDUCED, c->t + 1));
         size_t off = seg_start(c, q), n = seg_start(c, q + 1) - off;
-        if (s->peer) {
-            dsts[k] = c->base + off * es;
-            srcs[k] = peer_slot(s, s->rank, q, c->slot, 1);
-            counts[k++] = n;
-        } else {
-            DDPC_CHECK(copy(c->base + off * es, out_slot(s, q, c->slot), n * es, stream));
-        }
+        DDPC_CHECK(copy(c->base + off * es, out_slot(s, q, c->slot), n * es, stream));
     }
-    if (k) DDPC_CHECK(ddpc_device_cast_many(k, dsts, dt, srcs, dt, counts, (uintptr_t)stream));
     return signal_peers(s, stream, F_READ_OUT, c->t + 1);
 }
 
@@ -492,7 +382,7 @@ ddpc_status ddpc_staged_all_reduce(DdpcStaged *s, void *buf, size_t count, ddpc_
         if (k < nk) DDPC_CHECK(send_chunk(s, &cur, es));
         if (k >= 1) DDPC_CHECK(publish_chunk(s, &prev, es));
         if (k < nk) DDPC_CHECK(reduce_chunk(s, &cur, es, dt, div));
-        if (k >= 1) DDPC_CHECK(gather_chunk(s, &prev, es, dt, stream));
+        if (k >= 1) DDPC_CHECK(gather_chunk(s, &prev, es, stream));
     }
     /* The buffer is the caller's again only when the send and publish streams have read it too
      * (the publish of the last chunk comes after its reduction). */

@@ -24,15 +24,6 @@
  * deadlock. Counters only grow (compared cyclically): slots are reused after the peers said
  * they read them.
  *
- * Peer mode (GPUs with P2P, such as NVLink): the slots are device memory instead, each rank's in
- * its own GPU and mapped into the peers through CUDA IPC, so a segment crosses once, GPU to GPU
- * on the copy engines: step 1 copies each non-owned segment straight into its owner's in slot,
- * step 2 reduces from those slots without a copy, step 3 copies the reduced segment into every
- * peer's out slot, step 4 copies from this GPU's out slots into the buffer. The mailboxes stay
- * in the shared host segment, with the same counters and waits. NCCL moves the data with SM
- * kernels that compete with the backward's; the copy engines do not, and between two H200s
- * they move about 390 GB/s each way at once.
- *
  * Failure: the counters a rank waits on live in its own mailbox, so after an abort the host writes
  * them far ahead (ddpc_staged_unblock) and its streams drain. Released streams still signal the
  * peers, with whatever data they moved, so the aborting rank first sets its aborted word in the
@@ -68,24 +59,16 @@ typedef struct DdpcStaged DdpcStaged;
 /* 1 when the staged path handles this dtype and reduction (float types; sum and average). */
 int ddpc_staged_supported(ddpc_dtype dt, ddpc_redop op);
 
-/* The chunk size for `world` ranks (DDPC_STAGED_CHUNK_BYTES overrides it), the bytes of the
- * shared segment it needs, and in peer mode the bytes of each rank's device region. */
-size_t ddpc_staged_chunk_bytes(int world, int peer);
-size_t ddpc_staged_segment_bytes(int world, size_t chunk_bytes, int peer);
-size_t ddpc_staged_region_bytes(int world, size_t chunk_bytes);
+/* The chunk size for `world` ranks (DDPC_STAGED_CHUNK_BYTES overrides it) and the bytes of the
+ * shared segment it needs. */
+size_t ddpc_staged_chunk_bytes(int world);
+size_t ddpc_staged_segment_bytes(int world, size_t chunk_bytes);
 
 /* Maps the shared segment `shm_name` (created, with the space reserved, when `create`), registers
- * it with CUDA, and makes the streams, events and scratch on the current device (peer: the
- * device region instead of the scratch). The error message says what failed; nothing is left
- * behind (a created name is unlinked). */
+ * it with CUDA, and makes the streams, events and scratch on the current device. The error
+ * message says what failed; nothing is left behind (a created name is unlinked). */
 ddpc_status ddpc_staged_open(int rank, int world, size_t chunk_bytes, const char *shm_name,
-                             int create, int peer, DdpcStaged **out);
-
-/* Peer mode: the CUDA IPC handle of this rank's region (DDPC_STAGED_HANDLE_BYTES bytes), and
- * mapping rank r's region from its handle. Every rank maps every other before the first call. */
-#define DDPC_STAGED_HANDLE_BYTES 64
-ddpc_status ddpc_staged_export(DdpcStaged *s, void *handle);
-ddpc_status ddpc_staged_map_peer(DdpcStaged *s, int r, const void *handle);
+                             int create, DdpcStaged **out);
 
 /* Removes the segment's name (once every rank has it mapped, or after a failed setup). */
 void ddpc_staged_unlink(DdpcStaged *s);

@@ -535,7 +535,6 @@ def _bench_worker(rank: int, world: int, port: int, token: str, torch_port: int,
         result["correct"] = bool(torch.all(x == 1.0).item())
         result["fast_max_bytes"] = group.fast_max_bytes
         result["staged_min_bytes"] = group.staged_min_bytes
-        result["staged_via"] = group.staged_via
         group.destroy()
         store.close()
         import torch.distributed as dist
@@ -629,13 +628,8 @@ def check_bandwidth(rep: Report, visible: Sequence[Gpu], nccl: Optional[str], to
                             "ranks on different hosts; DDPC_DEBUG=INFO says which)")
     staged = min(r.get("staged_min_bytes", 0) for r in results)
     if staged:
-        if any(r.get("staged_via") == "peer" for r in results):
-            rep.verdict("OK", f"all-reduces of {staged // 1024} KiB or more go GPU to GPU on the "
-                              "copy engines (ddpc's staged path over P2P), leaving the SMs to "
-                              "compute")
-        else:
-            rep.verdict("OK", f"all-reduces of {staged // 1024} KiB or more go through pinned "
-                              "host memory on the copy engines (ddpc's staged path: P2P is off)")
+        rep.verdict("OK", f"all-reduces of {staged // 1024} KiB or more go through pinned host "
+                          "memory on the copy engines (ddpc's staged path: P2P is off)")
 
 
 # ------------------------------------------------------------------------- main
