@@ -4,6 +4,7 @@ GPUs: `python -m pytest -m gpu tests/test_gpu.py`). Each multi-rank test starts 
 checks results against references computed on the host."""
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -645,6 +646,47 @@ def test_staged_killed_rank_makes_survivor_raise(monkeypatch):
     assert out["raised"], "rank 0 did not raise after rank 1 died"
     assert out["after"] < timeout, out
     assert "rank 1" in out["message"], out["message"]
+
+
+# A real CUDA out-of-memory error under the launcher: rank OOM_RANK asks for 400 GB, on its own
+# GPU or (OOM_DEVICE=cuda:0 on rank 1) on rank 0's, as a script with a fixed device would.
+REAL_OOM_SCRIPT = """
+import os, time
+import torch
+import ddpc
+ddpc.init_process_group(backend="nccl")
+x = torch.ones(1 << 28, device=ddpc.device())  # 1 GiB held while it fails
+if ddpc.get_rank() == int(os.environ["OOM_RANK"]):
+    dev = os.environ.get("OOM_DEVICE") or ddpc.device()
+    torch.empty(400 * 10**9, dtype=torch.uint8, device=dev)
+time.sleep(60)
+"""
+
+
+@needs_2
+@pytest.mark.parametrize("oom_device", ["", "cuda:0"], ids=["own_gpu", "rank0_gpu"])
+def test_launcher_explains_a_real_cuda_oom(tmp_path, oom_device):
+    script = tmp_path / "oom.py"
+    script.write_text(REAL_OOM_SCRIPT)
+    env = dict(os.environ, OOM_RANK="1", OOM_DEVICE=oom_device)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.path.join(ROOT, "python"), env.get("PYTHONPATH")) if p)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    res = subprocess.run([sys.executable, "-m", "ddpc.launch", "--gpus", "0,1", str(script)],
+                         capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert res.returncode == 1, res.stderr[-3000:]
+    summary = " ".join(res.stderr[res.stderr.index("failed first"):].split())
+    assert "rank 1 raised torch.OutOfMemoryError: CUDA out of memory" in summary, summary
+    if oom_device:
+        assert "rank 1 ran out of GPU memory on cuda:0 (physical GPU 0," in summary, summary
+        assert "That is not its own GPU: rank 1 works on cuda:1" in summary, summary
+    else:
+        assert "rank 1 ran out of GPU memory on cuda:1 (physical GPU 1," in summary, summary
+        # The 1 GiB it held, and the GPU's own figures from the failing process.
+        assert re.search(r"This process held 1\.0 GiB in tensors \(peak 1\.0 GiB\), "
+                         r"[\d.]+ GiB reserved by PyTorch's caching allocator; the GPU had "
+                         r"[\d.]+ GiB free of [\d.]+ GiB\.", summary), summary
+        assert "Data parallelism splits the batch" in summary, summary
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 
@@ -419,9 +420,76 @@ def test_rank_failing_during_the_watch_is_not_a_success(capsys):
     sys.path.insert(0, PYDIR)
     from ddpc.launch import Launcher
     from ddpc.notebook import WorkerError, _wait
-    launcher = Launcher(None)
+    launcher = Launcher(types.SimpleNamespace(plan=types.SimpleNamespace(rank_gpus=None)))
     status, failed = launcher.watch(_FailsWhileWatched())
     assert (status, failed is not None) == (1, True)
     assert "rank 0 (local rank 0" in capsys.readouterr().err
     with pytest.raises(WorkerError, match="rank 0 died with exit code 1"):
         _wait(_FailsWhileWatched(), 1, "/nonexistent", None, False)
+
+
+# A rank that runs out of GPU memory: torch's own exception type and message format (this CPU
+# machine cannot run out for real; tests/test_gpu.py does on the GPUs). OOM_RANK raises, naming
+# "GPU OOM_GPU" as torch does; the fake nvidia-smi shows pid 4242 on physical GPU 0.
+OOM_SCRIPT = """
+    import os, time
+    import torch
+    if os.environ["RANK"] == os.environ["OOM_RANK"]:
+        while not os.path.exists("others-ready"):
+            time.sleep(0.05)
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU " + os.environ["OOM_GPU"] +
+            " has a total capacity of 139.81 GiB of which 1.06 GiB is free.")
+    open("others-ready", "w").close()
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("oom_rank, oom_gpu", [("0", "0"), ("1", "0")], ids=["own", "other"])
+def test_cuda_oom_is_explained(tmp_path, oom_rank, oom_gpu):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    smi = bindir / "nvidia-smi"
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    write(tmp_path, "oom.py", OOM_SCRIPT)
+    env = launcher_env(PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}", OOM_RANK=oom_rank,
+                       OOM_GPU=oom_gpu)
+    rc, _, err, _ = launch(["--gpus", "0,1", "oom.py"], tmp_path, env=env)
+    assert rc == 1
+    summary = " ".join(err[err.index("failed first"):].split())  # unwrapped
+    assert f"rank {oom_rank} raised torch.OutOfMemoryError: CUDA out of memory" in summary
+    assert (f"rank {oom_rank} ran out of GPU memory on cuda:0 (physical GPU 0, "
+            f"00000000:18:00.0)") in summary
+    if oom_rank == "1":
+        # Rank 1 allocated on rank 0's GPU: the script used a fixed device.
+        assert "That is not its own GPU: rank 1 works on cuda:1" in summary
+        assert "ddpc.device()" in summary
+        assert "Data parallelism splits the batch" not in summary
+    else:
+        assert "not its own GPU" not in summary
+        assert "Other processes hold memory on physical GPU 0: pid 4242" in summary
+        assert "Data parallelism splits the batch, not the model" in summary
+
+
+def test_oom_report_details():
+    """The explanation from a report's memory facts: the figures, fragmentation, no GPU info."""
+    from ddpc import _oom
+    gib = 1 << 30
+    report = {"memory": {"kind": "cuda", "failed_device": 1, "bound_device": 1,
+                         "allocated": 60 * gib, "reserved": 75 * gib, "peak_allocated": 70 * gib,
+                         "free": gib // 2, "total": 80 * gib}}
+    text = " ".join(_oom.explain(report, 3))
+    assert text.startswith("rank 3 ran out of GPU memory on cuda:1.")
+    assert ("This process held 60.0 GiB in tensors (peak 70.0 GiB), 75.0 GiB reserved by "
+            "PyTorch's caching allocator; the GPU had 0.5 GiB free of 80.0 GiB.") in text
+    assert "15.0 GiB of that was reserved but not in use" in text
+    assert "expandable_segments:True" in text
+    report["memory"]["reserved"] = 61 * gib
+    assert "fragmentation" not in " ".join(_oom.explain(report, 3))
+    assert _oom.explain({"message": "x"}, 0) == []
+    assert _oom.explain({"memory": {"kind": "cuda"}}, 2)[0] == "rank 2 ran out of GPU memory on its GPU."
+    # Facts of a non-OOM exception: none.
+    assert _oom.facts(ValueError("shape")) is None
+    f = _oom.facts(RuntimeError("CUDA out of memory. Tried ... (GPU 2; 79.15 GiB total capacity)"))
+    assert f is not None and f["failed_device"] == 2

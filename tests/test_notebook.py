@@ -342,3 +342,37 @@ def test_example_notebook_runs(tmp_path):
     assert accuracy > 0.8
     assert "[rank0]: step 0: loss" in text and "[rank1]: step 0: loss" in text
     assert "all replicas identical: True" in text
+
+
+OOM_CASE = """
+import os
+from ddpc.notebook import notebook_launcher, WorkerError
+
+def work():
+    import torch
+    if os.environ["RANK"] == "1":
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has "
+                                     "a total capacity of 139.81 GiB of which 1.06 GiB is free.")
+try:
+    notebook_launcher(work, nprocs=2)
+except WorkerError as e:
+    print("MESSAGE", " ".join(str(e).split()))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_cuda_oom_is_explained_in_the_error(tmp_path):
+    """A rank's CUDA out-of-memory error (torch's type and message; no GPU here) comes back with
+    the launcher's explanation: rank 1 allocated on cuda:0, which is not its GPU."""
+    script = tmp_path / "oom_case.py"
+    script.write_text(OOM_CASE)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PYDIR, env.get("PYTHONPATH")) if p)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=env, timeout=100)
+    assert res.returncode == 0, res.stderr
+    msg = res.stdout[res.stdout.index("MESSAGE"):]
+    assert "rank 1 raised torch.OutOfMemoryError" in msg
+    assert "rank 1 ran out of GPU memory on cuda:0" in msg
+    assert "That is not its own GPU: rank 1 works on cuda:1" in msg

@@ -13,6 +13,8 @@ import traceback
 from types import TracebackType
 from typing import Any, Callable
 
+from ddpc import _oom
+
 # Linux prctl option: deliver a signal to this process when the parent (the launcher) dies.
 _PR_SET_PDEATHSIG = 1
 
@@ -73,6 +75,9 @@ def write_error_file(path: str, exc: BaseException, tb: TracebackType | None) ->
         "traceback": "".join(traceback.format_exception(type(exc), exc, tb)),
         "timestamp": time.time(),
     }
+    memory = _oom.facts(exc)
+    if memory is not None:
+        report["memory"] = memory
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as f:

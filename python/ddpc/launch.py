@@ -19,10 +19,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import uuid
 from typing import Any, Callable, Sequence
+
+from ddpc import _oom
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's default, so multi-node firewall rules carry over
 TAIL_LINES = 20              # stderr lines kept per rank for the failure summary
@@ -475,8 +478,36 @@ def exit_status(rc: int) -> int:
     return rc if rc >= 0 else 128 - rc
 
 
-def failure_summary(group: WorkerGroup, first: Worker, who: str = "ddpc.launch") -> str:
-    """Which rank failed first and how, its traceback (or last stderr lines), and the others."""
+def oom_lines(report: dict | None, group: WorkerGroup, first: Worker,
+              rank_gpus: Sequence[GpuInfo | None] | None) -> list[str]:
+    """What the failure summary says about a rank that ran out of GPU memory (its report says
+    so): on which physical GPU, how full it was, who else holds memory there, what to change.
+    rank_gpus: the physical GPU of each visible device (the plan's, per local rank)."""
+    if not report:
+        return []
+    ours = {w.proc.pid for w in group.workers}
+
+    def physical(i: int) -> GpuInfo | None:
+        return rank_gpus[i] if rank_gpus and 0 <= i < len(rank_gpus) else None
+
+    def others_on(info: GpuInfo) -> list[int]:
+        try:
+            now = {g.index: g for g in query_gpus()}
+        except RuntimeError:
+            return []
+        g = now.get(info.index)
+        return [p for p in (g.pids if g else []) if p not in ours]
+
+    out: list[str] = []
+    for paragraph in _oom.explain(report, first.rank, physical, others_on):
+        out += textwrap.wrap(paragraph, 96, break_on_hyphens=False) or [""]
+    return out
+
+
+def failure_summary(group: WorkerGroup, first: Worker, who: str = "ddpc.launch",
+                    rank_gpus: Sequence[GpuInfo | None] | None = None) -> str:
+    """Which rank failed first and how, its traceback (or last stderr lines), what an
+    out-of-memory error means here, and the other ranks. rank_gpus: see oom_lines."""
     lines = [f"{who}: rank {first.rank} (local rank {first.local_rank}, pid {first.proc.pid}) "
              f"failed first: {describe_exit(first.returncode)}"]
     report = first.error_report()
@@ -484,6 +515,7 @@ def failure_summary(group: WorkerGroup, first: Worker, who: str = "ddpc.launch")
         lines.append(f"  rank {first.rank} raised {report.get('exception_type')}: "
                      f"{report.get('message')}")
         lines += ["  " + ln for ln in str(report["traceback"]).rstrip("\n").split("\n")]
+        lines += ["  " + ln for ln in oom_lines(report, group, first, rank_gpus)]
     elif first.tail:
         lines.append(f"  last lines of rank {first.rank}'s stderr (no Python traceback was "
                      f"recorded):")
@@ -645,7 +677,7 @@ class Launcher:
                 first = failures[0]
                 group.stop(signal.SIGTERM, escalate=lambda: bool(self.signals))
                 group.finish()
-                self.say(failure_summary(group, first))
+                self.say(failure_summary(group, first, rank_gpus=self.cfg.plan.rank_gpus))
                 return exit_status(first.returncode), first
             if not running:
                 group.finish()

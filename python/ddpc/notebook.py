@@ -25,7 +25,7 @@ from ddpc import _C
 from ddpc._nbworker import error_path, exception_path, result_path, run_rank
 from ddpc._worker import die_with_parent
 from ddpc.launch import (DevicePlan, Worker, WorkerGroup, describe_exit, describe_other,
-                         free_port, plan_devices, rank_env, worker_pythonpath)
+                         free_port, oom_lines, plan_devices, rank_env, worker_pythonpath)
 
 STOP_GRACE_S = 3.0  # seconds between SIGINT/SIGTERM and SIGKILL when stopping ranks
 
@@ -278,7 +278,7 @@ def notebook_launcher(fn: Callable[..., Any], args: Sequence[Any] = (),
     try:
         _start_ranks(group, plan, job_dir, payload, fn, tuple(args), kwargs, return_all,
                      start_method)
-        return _wait(group, plan.nproc, job_dir, timeout, return_all)
+        return _wait(group, plan.nproc, job_dir, timeout, return_all, plan.rank_gpus)
     finally:
         _stop_for_good(group)
         shutil.rmtree(job_dir, ignore_errors=True)
@@ -315,7 +315,7 @@ def _start_ranks(group: WorkerGroup, plan: DevicePlan, job_dir: str, payload: by
 
 
 def _wait(group: WorkerGroup, nproc: int, job_dir: str, timeout: float | None,
-          return_all: bool) -> Any:
+          return_all: bool, rank_gpus: Any = None) -> Any:
     """Waits for every rank; stops the rest and raises on the first failure or the timeout."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -324,7 +324,7 @@ def _wait(group: WorkerGroup, nproc: int, job_dir: str, timeout: float | None,
         if failures:
             group.stop(signal.SIGTERM)
             group.finish()
-            raise _worker_error(group, failures[0], job_dir)
+            raise _worker_error(group, failures[0], job_dir, rank_gpus)
         if not running:
             group.finish()
             break
@@ -350,7 +350,8 @@ def _wait(group: WorkerGroup, nproc: int, job_dir: str, timeout: float | None,
     return results if return_all else results[0]
 
 
-def _worker_error(group: WorkerGroup, first: Worker, job_dir: str) -> WorkerError:
+def _worker_error(group: WorkerGroup, first: Worker, job_dir: str,
+                  rank_gpus: Any = None) -> WorkerError:
     report = first.error_report() or {}
     exception = None
     try:
@@ -362,6 +363,9 @@ def _worker_error(group: WorkerGroup, first: Worker, job_dir: str) -> WorkerErro
         head = (f"rank {first.rank} raised {report.get('exception_type')}: "
                 f"{report.get('message')}")
         body = f"traceback of rank {first.rank}:\n{report['traceback'].rstrip()}"
+        oom = oom_lines(report, group, first, rank_gpus)
+        if oom:
+            body += "\n\n" + "\n".join(oom)
     else:
         head = f"rank {first.rank} died with {describe_exit(first.returncode)}"
         body = (f"last lines of rank {first.rank}'s stderr:\n" + "\n".join(first.tail)
