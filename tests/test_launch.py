@@ -493,3 +493,46 @@ def test_oom_report_details():
     assert _oom.facts(ValueError("shape")) is None
     f = _oom.facts(RuntimeError("CUDA out of memory. Tried ... (GPU 2; 79.15 GiB total capacity)"))
     assert f is not None and f["failed_device"] == 2
+
+
+# Rank 1 hangs outside any collective; rank 0's next all_reduce times out (3 s) naming it.
+HANG_SCRIPT = """
+    import time
+    import numpy as np
+    import ddpc
+    ddpc.init_process_group(timeout=3)
+    x = np.ones(4, dtype=np.float32)
+    ddpc.all_reduce(x)
+
+    def load_next_batch():
+        time.sleep(60)  # rank 1 is stuck here
+
+    if ddpc.get_rank() == 1:
+        load_next_batch()
+    ddpc.all_reduce(x)
+"""
+
+
+def test_a_hang_shows_where_the_missing_rank_was(tmp_path):
+    write(tmp_path, "hang.py", HANG_SCRIPT)
+    rc, _, err, elapsed = launch(["--nproc-per-node", "2", "hang.py"], tmp_path)
+    assert rc == 1
+    assert elapsed < 25
+    summary = err[err.index("failed first"):]
+    assert "rank 0 (local rank 0" in err and "DistributedTimeoutError" in summary
+    assert "rank 1" in summary.split("\n")[1]  # the timeout names the rank that never came
+    other = summary[summary.index("other ranks:"):]
+    assert "rank 1: stopped by the launcher (SIGTERM)" in other
+    assert "where its threads were when asked" in other
+    assert re.search(r'File ".*hang\.py", line 10 in load_next_batch', other), other
+    assert re.search(r'File ".*hang\.py", line 13 in <module>', other), other
+    assert "ddpc/_worker.py" not in other and "frozen runpy" not in other
+
+
+def test_no_stacks_for_an_ordinary_failure(tmp_path):
+    """A rank's own error (not a timeout waiting for others) does not dump the others' stacks."""
+    write(tmp_path, "collective.py", COLLECTIVE_SCRIPT)
+    rc, _, err, _ = launch(["--nproc-per-node", "2", "collective.py"], tmp_path,
+                           env=launcher_env(FAIL_RANK="1"))
+    assert rc == 1
+    assert "where its threads were" not in err

@@ -376,3 +376,41 @@ def test_cuda_oom_is_explained_in_the_error(tmp_path):
     assert "rank 1 raised torch.OutOfMemoryError" in msg
     assert "rank 1 ran out of GPU memory on cuda:0" in msg
     assert "That is not its own GPU: rank 1 works on cuda:1" in msg
+
+
+HANG_CASE = """
+import os, time
+import numpy as np
+from ddpc.notebook import notebook_launcher, WorkerError
+import ddpc.distributed as dist
+
+def stuck_in_user_code():
+    time.sleep(60)
+
+def work():
+    x = np.ones(2)
+    if dist.get_rank() == 1:
+        stuck_in_user_code()
+    dist.all_reduce(x)
+
+try:
+    notebook_launcher(work, nprocs=2)
+except WorkerError as e:
+    print("MESSAGE", str(e))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_hang_shows_where_the_missing_rank_was(tmp_path):
+    """Rank 0 times out waiting for rank 1 (DDPC_TIMEOUT=3): the error shows rank 1's stack."""
+    script = tmp_path / "hang_case.py"
+    script.write_text(HANG_CASE)
+    env = dict(os.environ, DDPC_TIMEOUT="3")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PYDIR, env.get("PYTHONPATH")) if p)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=env, timeout=100)
+    assert res.returncode == 0, res.stderr
+    msg = res.stdout[res.stdout.index("MESSAGE"):]
+    assert "DistributedTimeoutError" in msg and "rank 1 never arrived" in msg, msg
+    assert "where its threads were when asked" in msg, msg
+    assert re.search(r'File ".*hang_case\.py", line 8 in stuck_in_user_code', msg), msg

@@ -9,7 +9,7 @@ import traceback
 from types import TracebackType
 from typing import Any, Callable
 
-from ddpc._worker import die_with_parent, write_error_file
+from ddpc._worker import die_with_parent, enable_stack_dumps, write_error_file
 
 
 def result_path(job_dir: str, rank: int) -> str:
@@ -75,6 +75,7 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, job_dir: str,
 def main(job_dir: str) -> int:
     """Loads the payload and runs this rank; returns the process exit status."""
     die_with_parent()
+    enable_stack_dumps()
     try:
         with open(os.path.join(job_dir, "payload.pkl"), "rb") as f:
             meta = pickle.load(f)

@@ -2,6 +2,7 @@
 `python -m ddpc._worker -m module args...`. It runs the target like `python script.py` would, and
 on an uncaught exception writes a JSON error report to $DDPC_ERROR_FILE for the launcher."""
 import ctypes
+import faulthandler
 import json
 import os
 import runpy
@@ -17,6 +18,18 @@ from ddpc import _oom
 
 # Linux prctl option: deliver a signal to this process when the parent (the launcher) dies.
 _PR_SET_PDEATHSIG = 1
+# The launcher asks a rank for its threads' Python stacks with this signal.
+STACK_SIGNAL = signal.SIGUSR1
+
+
+def enable_stack_dumps() -> None:
+    """On STACK_SIGNAL, print every thread's Python stack to stderr (faulthandler: it works while
+    the rank is blocked in C code too, such as a collective). The launcher asks the ranks still
+    running for it when another rank timed out waiting for them, to show where they were."""
+    try:
+        faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    except (AttributeError, ValueError, RuntimeError, OSError):
+        pass  # no faulthandler signal support here: the summary just has no stacks
 
 
 def die_with_parent() -> None:
@@ -92,6 +105,7 @@ def main(argv: list[str]) -> None:
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit("usage: python -m ddpc._worker (script.py | -m module) [args...]")
     die_with_parent()
+    enable_stack_dumps()
     sys.excepthook = _trimming_hook(sys.excepthook)
     error_file = os.environ.get("DDPC_ERROR_FILE", "")
     try:

@@ -26,12 +26,15 @@ import uuid
 from typing import Any, Callable, Sequence
 
 from ddpc import _oom
+from ddpc._worker import STACK_SIGNAL
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's default, so multi-node firewall rules carry over
 TAIL_LINES = 20              # stderr lines kept per rank for the failure summary
 PARTIAL_FLUSH_S = 1.0        # a line without newline is shown after this long without output
 MAX_LINE = 64 * 1024         # longer lines are cut into pieces rather than held in memory
 OUTPUT_JOIN_S = 2.0          # how long to wait for the last output after the processes exit
+STACK_WAIT_S = 3.0           # how long ranks get to print their Python stacks when asked
+STACK_LINES = 40             # stack lines kept per rank for the failure summary
 
 SIGNAL_HINTS = {
     "SIGKILL": "likely the out-of-memory killer: check dmesg / lower the batch size",
@@ -235,6 +238,8 @@ class Worker:
     returncode: int | None = None
     exited_at: float | None = None
     signalled: int | None = None   # the last signal the launcher sent this rank
+    capturing: list[str] | None = None  # stderr lines kept while its stacks are being printed
+    stack: list[str] | None = None      # its threads' Python stacks, when asked for them
 
     def error_report(self) -> dict | None:
         """The JSON report the worker wrote on an uncaught exception, or None."""
@@ -334,7 +339,11 @@ class WorkerGroup:
         def on_line(line: bytes) -> None:
             line = terminal_view(line)
             if stream == "stderr":
-                worker.tail.append(line.decode("utf-8", "replace"))
+                text = line.decode("utf-8", "replace")
+                worker.tail.append(text)
+                capturing = worker.capturing
+                if capturing is not None:
+                    capturing.append(text)
             self.sink(worker, stream, line)
         return on_line
 
@@ -358,6 +367,31 @@ class WorkerGroup:
         """Returns when a rank exits or after `timeout` seconds (signal handlers run meanwhile)."""
         with self.changed:
             self.changed.wait(timeout)
+
+    def dump_stacks(self) -> None:
+        """Asks every running rank for its threads' Python stacks (STACK_SIGNAL, to the rank's
+        process alone: its children would die of it) and keeps what each prints in its `stack`.
+        Waits until the lines stop coming, at most STACK_WAIT_S."""
+        asked = []
+        for w in self.running():
+            w.capturing = []
+            try:
+                os.kill(w.proc.pid, STACK_SIGNAL)
+                asked.append(w)
+            except (ProcessLookupError, PermissionError):
+                w.capturing = None
+        deadline = time.monotonic() + STACK_WAIT_S
+        seen, quiet_since = -1, time.monotonic()
+        while asked and time.monotonic() < deadline:
+            time.sleep(0.05)
+            lines = [len(w.capturing or ()) for w in asked]
+            if sum(lines) != seen:
+                seen, quiet_since = sum(lines), time.monotonic()
+            elif all(lines) and time.monotonic() - quiet_since > 0.3:
+                break
+        for w in asked:
+            w.stack = _stack_lines(w.capturing or [])
+            w.capturing = None
 
     def signal_all(self, sig: int) -> None:
         """Sends sig to the process group of every rank still running."""
@@ -392,6 +426,24 @@ class WorkerGroup:
             for t in w.threads:
                 t.join(max(0.0, deadline - time.monotonic()))
         self.finished = True  # only now: an interrupted finish() must be redone in full
+
+
+def _stack_lines(lines: list[str]) -> list[str]:
+    """The lines of a faulthandler dump worth showing: ddpc's own worker frames and runpy's are
+    left out, and at most STACK_LINES are kept."""
+    keep = [ln for ln in lines if not (ln.lstrip().startswith('File "<frozen runpy>"') or
+                                       "ddpc/_worker.py" in ln or "ddpc/_nbworker.py" in ln)]
+    if len(keep) > STACK_LINES:
+        keep = keep[:STACK_LINES] + [f"... ({len(keep) - STACK_LINES} more lines above, in its "
+                                     f"output)"]
+    return keep
+
+
+def waited_for_others(report: dict | None) -> bool:
+    """Did this failure come from waiting for other ranks (a collective timed out)? Then the ranks
+    still running are where the job hung, and their stacks say where."""
+    return bool(report) and str(report.get("exception_type", "")).endswith(
+        "DistributedTimeoutError")
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -527,7 +579,18 @@ def failure_summary(group: WorkerGroup, first: Worker, who: str = "ddpc.launch",
         lines.append("  other ranks:")
         for w in sorted(others, key=lambda w: w.rank):
             lines.append(f"    rank {w.rank}: {describe_other(w)}")
+            lines += ["      " + ln for ln in stack_lines(w)]
     return "\n".join(lines)
+
+
+def stack_lines(w: Worker) -> list[str]:
+    """The summary's lines for a rank whose stacks were dumped (none otherwise)."""
+    if w.stack is None:
+        return []
+    if not w.stack:
+        return ["it printed no Python stack when asked (a handler of its own for SIGUSR1?)"]
+    return ["where its threads were when asked (most recent call first):"] + [
+        "  " + ln for ln in w.stack]
 
 
 def describe_other(w: Worker) -> str:
@@ -675,6 +738,8 @@ class Launcher:
             failures = group.failures()
             if failures:
                 first = failures[0]
+                if waited_for_others(first.error_report()):
+                    group.dump_stacks()
                 group.stop(signal.SIGTERM, escalate=lambda: bool(self.signals))
                 group.finish()
                 self.say(failure_summary(group, first, rank_gpus=self.cfg.plan.rank_gpus))

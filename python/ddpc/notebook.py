@@ -23,9 +23,10 @@ from typing import Any, Callable, Sequence
 
 from ddpc import _C
 from ddpc._nbworker import error_path, exception_path, result_path, run_rank
-from ddpc._worker import die_with_parent
+from ddpc._worker import die_with_parent, enable_stack_dumps
 from ddpc.launch import (DevicePlan, Worker, WorkerGroup, describe_exit, describe_other,
-                         free_port, oom_lines, plan_devices, rank_env, worker_pythonpath)
+                         free_port, oom_lines, plan_devices, rank_env, stack_lines,
+                         waited_for_others, worker_pythonpath)
 
 STOP_GRACE_S = 3.0  # seconds between SIGINT/SIGTERM and SIGKILL when stopping ranks
 
@@ -86,6 +87,7 @@ def _fork_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, env: dict[str,
             sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
             sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            enable_stack_dumps()  # (after the stderr above: it writes to the current one)
             code = run_rank(fn, args, kwargs, job_dir, return_all)
         finally:
             try:
@@ -322,6 +324,8 @@ def _wait(group: WorkerGroup, nproc: int, job_dir: str, timeout: float | None,
         running = group.running()  # before failures(): see Launcher.watch
         failures = group.failures()
         if failures:
+            if waited_for_others(failures[0].error_report()):
+                group.dump_stacks()
             group.stop(signal.SIGTERM)
             group.finish()
             raise _worker_error(group, failures[0], job_dir, rank_gpus)
@@ -370,7 +374,8 @@ def _worker_error(group: WorkerGroup, first: Worker, job_dir: str,
         head = f"rank {first.rank} died with {describe_exit(first.returncode)}"
         body = (f"last lines of rank {first.rank}'s stderr:\n" + "\n".join(first.tail)
                 if first.tail else f"rank {first.rank} wrote nothing to stderr")
-    others = "\n".join(f"  rank {w.rank}: {describe_other(w)}"
+    others = "\n".join("\n".join([f"  rank {w.rank}: {describe_other(w)}"] +
+                                 ["    " + ln for ln in stack_lines(w)])
                        for w in sorted(group.workers, key=lambda w: w.rank) if w is not first)
     message = f"{head}\n\n{body}" + (f"\n\nother ranks:\n{others}" if others else "")
     return WorkerError(message, first.rank, report.get("exception_type"),
