@@ -332,14 +332,19 @@ esac
 """
 
 
-def test_gpu_selection_through_nvidia_smi(tmp_path):
+def fake_smi_env(tmp_path, **extra):
+    """The launcher's environment with FAKE_SMI first on PATH as nvidia-smi."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
     smi = bindir / "nvidia-smi"
     smi.write_text(FAKE_SMI)
     smi.chmod(0o755)
+    return launcher_env(PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}", **extra)
+
+
+def test_gpu_selection_through_nvidia_smi(tmp_path):
     write(tmp_path, "show_env.py", ENV_SCRIPT)
-    env = launcher_env(PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    env = fake_smi_env(tmp_path)
 
     rc, out, err, _ = launch(["--gpus", "auto", "--nproc-per-node", "2", "show_env.py"],
                              tmp_path, env=env)
@@ -447,14 +452,8 @@ OOM_SCRIPT = """
 
 @pytest.mark.parametrize("oom_rank, oom_gpu", [("0", "0"), ("1", "0")], ids=["own", "other"])
 def test_cuda_oom_is_explained(tmp_path, oom_rank, oom_gpu):
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    smi = bindir / "nvidia-smi"
-    smi.write_text(FAKE_SMI)
-    smi.chmod(0o755)
     write(tmp_path, "oom.py", OOM_SCRIPT)
-    env = launcher_env(PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}", OOM_RANK=oom_rank,
-                       OOM_GPU=oom_gpu)
+    env = fake_smi_env(tmp_path, OOM_RANK=oom_rank, OOM_GPU=oom_gpu)
     rc, _, err, _ = launch(["--gpus", "0,1", "oom.py"], tmp_path, env=env)
     assert rc == 1
     summary = " ".join(err[err.index("failed first"):].split())  # unwrapped

@@ -434,8 +434,8 @@ def _stack_lines(lines: list[str]) -> list[str]:
     keep = [ln for ln in lines if not (ln.lstrip().startswith('File "<frozen runpy>"') or
                                        "ddpc/_worker.py" in ln or "ddpc/_nbworker.py" in ln)]
     if len(keep) > STACK_LINES:
-        keep = keep[:STACK_LINES] + [f"... ({len(keep) - STACK_LINES} more lines above, in its "
-                                     f"output)"]
+        keep = keep[:STACK_LINES] + [f"... ({len(keep) - STACK_LINES} more lines in its output "
+                                     f"above)"]
     return keep
 
 
@@ -589,7 +589,7 @@ def stack_lines(w: Worker) -> list[str]:
         return []
     if not w.stack:
         return ["it printed no Python stack when asked (a handler of its own for SIGUSR1?)"]
-    return ["where its threads were when asked (most recent call first):"] + [
+    return ["where its threads were when asked:"] + [
         "  " + ln for ln in w.stack]
 
 
