@@ -284,6 +284,51 @@ def scenario_single() -> Dict:
     return {"transport": transport}
 
 
+def scenario_objects() -> Dict:
+    """all_gather_object and broadcast_object_list: objects of rank-dependent type and size,
+    from every src; an unpicklable object and a list of the wrong length raise clearly."""
+    import threading
+    import ddpc
+    init()
+    rank, world = ddpc.get_rank(), ddpc.get_world_size()
+    mine = {"rank": rank, "text": "x" * (1000 * rank), "arr": np.arange(rank + 1)} if rank else None
+    got = [object()] * world
+    ddpc.all_gather_object(got, mine)
+    assert got[0] is None
+    for r in range(1, world):
+        assert got[r]["rank"] == r and got[r]["text"] == "x" * (1000 * r)
+        assert got[r]["arr"].tolist() == list(range(r + 1))
+    for src in range(world):
+        objs = [f"from {rank}", {"n": rank}, [rank] * 3] if rank == src else [None, None, None]
+        ddpc.broadcast_object_list(objs, src=src)
+        assert objs == [f"from {src}", {"n": src}, [src] * 3], (src, objs)
+    errors = {}
+    # Rank 1's object cannot be pickled: every rank raises, none waits for the others.
+    try:
+        ddpc.all_gather_object([None] * world, threading.Lock() if rank == 1 else rank)
+    except (TypeError, ddpc.DistributedError) as e:
+        errors["unpicklable"] = f"{type(e).__name__}: {e}"
+    # The last rank passes a shorter list: it raises, the others get the objects.
+    objs = [rank, rank] if rank == world - 1 else [rank, rank, rank]
+    try:
+        ddpc.broadcast_object_list(objs, src=0)
+    except ValueError as e:
+        errors["length"] = str(e)
+    if rank != world - 1:
+        assert objs == [0, 0, 0], objs
+    for bad, exc in [(lambda: ddpc.all_gather_object([None], 1), ValueError),
+                     (lambda: ddpc.broadcast_object_list([1], src=world), ValueError),
+                     (lambda: ddpc.broadcast_object_list((1,), src=0), TypeError)]:
+        try:
+            bad()
+            raise AssertionError("no error")
+        except exc as e:
+            errors.setdefault("args", []).append(str(e))
+    ddpc.barrier()
+    ddpc.destroy_process_group()
+    return {"errors": errors}
+
+
 def scenario_mismatch() -> Dict:
     """Three kinds of disagreement, each in a fresh group: every rank must raise MismatchError
     naming both ranks' calls."""
@@ -365,8 +410,8 @@ def scenario_killed() -> Dict:
     raise AssertionError("no PeerError although rank 1 was killed")
 
 
-SCENARIOS = {"all": scenario_all, "single": scenario_single, "mismatch": scenario_mismatch,
-             "timeout": scenario_timeout, "killed": scenario_killed}
+SCENARIOS = {"all": scenario_all, "objects": scenario_objects, "single": scenario_single,
+             "mismatch": scenario_mismatch, "timeout": scenario_timeout, "killed": scenario_killed}
 
 
 # ------------------------------------------------------------------------- test side
@@ -408,6 +453,28 @@ def test_all_collectives(world, transport, with_torch, tmp_path):
     for r in results:
         assert r["transport"] == ("shm" if transport == "auto" else transport)
         assert r["checks"] > 200
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_object_collectives(world, tmp_path):
+    results = run_job("objects", world, tmp_path)
+    for r, res in enumerate(results):
+        e = res["errors"]
+        if r == 1:
+            assert e["unpicklable"].startswith("TypeError: all_gather_object: rank 1's object "
+                                               "cannot be pickled"), e
+        else:
+            assert e["unpicklable"] == ("DistributedError: all_gather_object: rank 1's object "
+                                        f"cannot be pickled (that rank's error says why); rank "
+                                        f"{r} stops too"), e
+        if r == world - 1:
+            assert e["length"] == (f"broadcast_object_list: rank 0 sent 3 objects but rank {r}'s "
+                                   f"object_list has 2: every rank must pass a list of the same "
+                                   f"length"), e
+        else:
+            assert "length" not in e, e
+        assert "world_size=" in e["args"][0] and "is not a rank" in e["args"][1]
+        assert "must be a list" in e["args"][2]
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])

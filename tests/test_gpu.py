@@ -488,6 +488,25 @@ def _assert_no_failures(res: Dict[int, Dict[str, Any]]) -> None:
         assert not out["failures"], f"rank {r}:\n" + "\n".join(out["failures"])
 
 
+def _w_objects(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dict[str, Any]:
+    """all_gather_object and broadcast_object_list on the nccl backend (through the bound GPU)."""
+    got = [None] * world
+    ddpc.all_gather_object(got, {"rank": rank, "text": "y" * (5000 * rank)})
+    objs = ["a", rank] if rank == 1 else [None, None]
+    ddpc.broadcast_object_list(objs, src=1)
+    failures = []
+    if got != [{"rank": r, "text": "y" * (5000 * r)} for r in range(world)]:
+        failures.append(f"all_gather_object gave {[sorted(g) for g in got]}")
+    if objs != ["a", 1]:
+        failures.append(f"broadcast_object_list gave {objs}")
+    return {"failures": failures}
+
+
+@needs_2
+def test_object_collectives_on_gpus():
+    _assert_no_failures(_run_ranks(_w_objects))
+
+
 @needs_2
 def test_fast_small_all_reduce():
     _assert_no_failures(_run_ranks(_w_fast))

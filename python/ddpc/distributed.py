@@ -813,6 +813,113 @@ def reduce_scatter(output: Any, input_list: List[Any], op: Any = ReduceOp.SUM, g
     return reduce_scatter_tensor(output, flat, op=op, group=group, async_op=async_op)
 
 
+# ------------------------------------------------------------------------- picklable objects
+
+
+def _exchanged(kind: str, arr: Any, group: Any, src: int = 0) -> Any:
+    """A 1-D NumPy array all-gathered ("gather": world_size times as long) or broadcast from src
+    ("broadcast", in place), through the bound GPU when the group uses nccl."""
+    import numpy as np
+    g = _group(group)
+    if g.backend == "nccl":
+        import torch
+        dev = device()
+        mine = torch.from_numpy(np.ascontiguousarray(arr)).to(dev)
+        if kind == "broadcast":
+            broadcast(mine, src=src, group=group)
+            return mine.cpu().numpy()
+        out = torch.empty(g.world_size * mine.numel(), dtype=mine.dtype, device=dev)
+        all_gather_into_tensor(out, mine, group=group)
+        return out.cpu().numpy()
+    if kind == "broadcast":
+        broadcast(arr, src=src, group=group)
+        return arr
+    out = np.empty(g.world_size * arr.size, dtype=arr.dtype)
+    all_gather_into_tensor(out, arr, group=group)
+    return out
+
+
+def _pickled(obj: Any, what: str) -> Tuple[bytes, Optional[Exception]]:
+    import pickle
+    try:
+        return pickle.dumps(obj), None
+    except Exception as e:  # noqa: BLE001 - any failure to pickle: reported on every rank
+        err = TypeError(f"{what} cannot be pickled: {type(e).__name__}: {e}")
+        err.__cause__ = e
+        return b"", err
+
+
+def all_gather_object(object_list: List[Any], obj: Any, group: Any = None) -> None:
+    """object_list[r] becomes rank r's obj, for any picklable obj
+    (torch.distributed.all_gather_object). When a rank's obj cannot be pickled, every rank raises,
+    naming it. The objects travel pickled: unpickling runs code, so only the job's own ranks,
+    which share its DDPC_TOKEN, may take part."""
+    import numpy as np
+    import pickle
+    g = _group(group)
+    world = g.world_size
+    if not isinstance(object_list, list) or len(object_list) != world:
+        raise ValueError(f"all_gather_object: object_list must be a list of world_size={world} "
+                         f"entries (it is filled in), got {type(object_list).__name__} of length "
+                         f"{len(object_list) if hasattr(object_list, '__len__') else '?'}")
+    data, err = _pickled(obj, f"all_gather_object: rank {g.rank}'s object")
+    sizes = _exchanged("gather", np.array([-1 if err else len(data)], dtype=np.int64), group)
+    bad = [r for r in range(world) if sizes[r] < 0]
+    if err is not None:
+        raise err
+    if bad:
+        raise _C.DistributedError(f"all_gather_object: rank {bad[0]}'s object cannot be pickled "
+                                  f"(that rank's error says why); rank {g.rank} stops too")
+    width = max(int(sizes.max()), 1)
+    mine = np.zeros(width, dtype=np.uint8)
+    mine[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+    rows = _exchanged("gather", mine, group).reshape(world, width)
+    for r in range(world):
+        object_list[r] = pickle.loads(rows[r, :int(sizes[r])].tobytes())
+
+
+def broadcast_object_list(object_list: List[Any], src: int = 0, group: Any = None,
+                          device: Any = None) -> None:
+    """Every rank's object_list becomes rank src's, element by element, for picklable elements
+    (torch.distributed.broadcast_object_list; every rank passes a list of the same length).
+    `device` is accepted for torch's signature; the bound device is used. The objects travel
+    pickled: see all_gather_object."""
+    import numpy as np
+    import pickle
+    del device
+    g = _group(group)
+    if not isinstance(src, int) or isinstance(src, bool):
+        raise TypeError(f"src must be an int rank, got {type(src).__name__}")
+    if not 0 <= src < g.world_size:
+        raise ValueError(f"broadcast_object_list: src={src} is not a rank of this group "
+                         f"(0..{g.world_size - 1})")
+    if not isinstance(object_list, list):
+        raise TypeError(f"broadcast_object_list: object_list must be a list (it is filled in), "
+                        f"got {type(object_list).__name__}")
+    err = None
+    data = b""
+    if g.rank == src:
+        data, err = _pickled(list(object_list), f"broadcast_object_list: rank {src}'s list")
+    head = _exchanged("broadcast", np.array([-1 if err else len(data), len(object_list)],
+                                            dtype=np.int64), group, src)
+    if err is not None:
+        raise err
+    if head[0] < 0:
+        raise _C.DistributedError(f"broadcast_object_list: rank {src}'s list cannot be pickled "
+                                  f"(that rank's error says why); rank {g.rank} stops too")
+    buf = np.zeros(max(int(head[0]), 1), dtype=np.uint8)
+    if g.rank == src:
+        buf[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+    buf = _exchanged("broadcast", buf, group, src)
+    if g.rank == src:
+        return
+    if int(head[1]) != len(object_list):
+        raise ValueError(f"broadcast_object_list: rank {src} sent {int(head[1])} objects but "
+                         f"rank {g.rank}'s object_list has {len(object_list)}: every rank must "
+                         f"pass a list of the same length")
+    object_list[:] = pickle.loads(buf[:int(head[0])].tobytes())
+
+
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Optional[Work]:
     """Blocks until every rank reached the barrier (or the timeout names those that did not)."""
     g = _group(group)
