@@ -302,6 +302,11 @@ def scenario_objects() -> Dict:
         objs = [f"from {rank}", {"n": rank}, [rank] * 3] if rank == src else [None, None, None]
         ddpc.broadcast_object_list(objs, src=src)
         assert objs == [f"from {src}", {"n": src}, [src] * 3], (src, objs)
+    for dst in range(world):
+        out = [None] * world if rank == dst else None
+        ddpc.gather_object(("g", rank), out, dst=dst)
+        if rank == dst:
+            assert out == [("g", r) for r in range(world)], out
     errors = {}
     # Rank 1's object cannot be pickled: every rank raises, none waits for the others.
     try:
@@ -316,6 +321,10 @@ def scenario_objects() -> Dict:
         errors["length"] = str(e)
     if rank != world - 1:
         assert objs == [0, 0, 0], objs
+    try:  # dst (rank 0) without a list: it raises, the others go on
+        ddpc.gather_object(rank, None, dst=0)
+    except ValueError as e:
+        errors["gather"] = str(e)
     for bad, exc in [(lambda: ddpc.all_gather_object([None], 1), ValueError),
                      (lambda: ddpc.broadcast_object_list([1], src=world), ValueError),
                      (lambda: ddpc.broadcast_object_list((1,), src=0), TypeError)]:
@@ -473,6 +482,11 @@ def test_object_collectives(world, tmp_path):
                                    f"length"), e
         else:
             assert "length" not in e, e
+        if r == 0:
+            assert e["gather"].startswith("gather_object: rank 0 (dst) must pass "
+                                          "object_gather_list"), e
+        else:
+            assert "gather" not in e, e
         assert "world_size=" in e["args"][0] and "is not a rank" in e["args"][1]
         assert "must be a list" in e["args"][2]
 

@@ -25,6 +25,7 @@ from ddpc.distributed import (  # noqa: F401
     broadcast,
     broadcast_object_list,
     destroy_process_group,
+    gather_object,
     device,
     get_backend,
     get_local_rank,

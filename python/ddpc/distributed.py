@@ -878,6 +878,28 @@ def all_gather_object(object_list: List[Any], obj: Any, group: Any = None) -> No
         object_list[r] = pickle.loads(rows[r, :int(sizes[r])].tobytes())
 
 
+def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None, dst: int = 0,
+                  group: Any = None) -> None:
+    """On rank dst, object_gather_list[r] becomes rank r's obj; the other ranks pass None
+    (torch.distributed.gather_object). Built on all_gather_object: meant for small objects."""
+    g = _group(group)
+    if not isinstance(dst, int) or isinstance(dst, bool):
+        raise TypeError(f"dst must be an int rank, got {type(dst).__name__}")
+    if not 0 <= dst < g.world_size:
+        raise ValueError(f"gather_object: dst={dst} is not a rank of this group "
+                         f"(0..{g.world_size - 1})")
+    if g.rank == dst and (not isinstance(object_gather_list, list) or
+                          len(object_gather_list) != g.world_size):
+        # Still take part, so the other ranks are not left waiting, then say what was wrong.
+        all_gather_object([None] * g.world_size, obj, group)
+        raise ValueError(f"gather_object: rank {dst} (dst) must pass object_gather_list, a list "
+                         f"of world_size={g.world_size} entries")
+    got = [None] * g.world_size
+    all_gather_object(got, obj, group)
+    if g.rank == dst:
+        object_gather_list[:] = got
+
+
 def broadcast_object_list(object_list: List[Any], src: int = 0, group: Any = None,
                           device: Any = None) -> None:
     """Every rank's object_list becomes rank src's, element by element, for picklable elements
