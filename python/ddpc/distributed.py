@@ -704,13 +704,19 @@ def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None,
     return _run(g, _ALLREDUCE, None, b, b.count, redop, 0, b.owner, async_op)
 
 
+def _check_rank(g: Any, value: Any, name: str, op: str) -> None:
+    """A src / dst argument must be an int rank of the group."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int rank, got {type(value).__name__}")
+    if not 0 <= value < g.world_size:
+        raise ValueError(f"{op}: {name}={value} is not a rank of this group "
+                         f"(0..{g.world_size - 1})")
+
+
 def broadcast(tensor: Any, src: int = 0, group: Any = None, async_op: bool = False) -> Optional[Work]:
     """Copies rank src's tensor into every rank's tensor (in place)."""
     g = _group(group)
-    if not isinstance(src, int) or isinstance(src, bool):
-        raise TypeError(f"src must be an int rank, got {type(src).__name__}")
-    if not 0 <= src < g.world_size:
-        raise ValueError(f"broadcast: src={src} is not a rank of this group (0..{g.world_size - 1})")
+    _check_rank(g, src, "src", "broadcast")
     b = _as_buffer(tensor, "broadcast: tensor")
     return _run(g, _BROADCAST, None, b, b.count, 0, src, b.owner, async_op)
 
@@ -883,11 +889,7 @@ def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None, dst:
     """On rank dst, object_gather_list[r] becomes rank r's obj; the other ranks pass None
     (torch.distributed.gather_object). Built on all_gather_object: meant for small objects."""
     g = _group(group)
-    if not isinstance(dst, int) or isinstance(dst, bool):
-        raise TypeError(f"dst must be an int rank, got {type(dst).__name__}")
-    if not 0 <= dst < g.world_size:
-        raise ValueError(f"gather_object: dst={dst} is not a rank of this group "
-                         f"(0..{g.world_size - 1})")
+    _check_rank(g, dst, "dst", "gather_object")
     if g.rank == dst and (not isinstance(object_gather_list, list) or
                           len(object_gather_list) != g.world_size):
         # Still take part, so the other ranks are not left waiting, then say what was wrong.
@@ -910,11 +912,7 @@ def broadcast_object_list(object_list: List[Any], src: int = 0, group: Any = Non
     import pickle
     del device
     g = _group(group)
-    if not isinstance(src, int) or isinstance(src, bool):
-        raise TypeError(f"src must be an int rank, got {type(src).__name__}")
-    if not 0 <= src < g.world_size:
-        raise ValueError(f"broadcast_object_list: src={src} is not a rank of this group "
-                         f"(0..{g.world_size - 1})")
+    _check_rank(g, src, "src", "broadcast_object_list")
     if not isinstance(object_list, list):
         raise TypeError(f"broadcast_object_list: object_list must be a list (it is filled in), "
                         f"got {type(object_list).__name__}")
