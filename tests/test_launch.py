@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from _procs import finish_all, start
+from _procs import finish_all, free_port, start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYDIR = os.path.join(ROOT, "python")
@@ -319,6 +319,29 @@ def test_multi_node_ranks_on_one_host(tmp_path):
         assert info["TORCHELASTIC_RUN_ID"] == "none"
 
 
+def test_torchrun_multi_node_flags(tmp_path):
+    """A torchrun multi-node command carries over: elastic N:N, c10d, endpoint, id, underscores."""
+    write(tmp_path, "show_env.py", ENV_SCRIPT)
+    env = launcher_env(DDPC_TOKEN="0123456789abcdef")
+    port = free_port()
+    procs = [start([sys.executable, "-m", "ddpc.launch", "--nnodes=2:2", f"--node_rank={node}",
+                    "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=job7",
+                    "--nproc_per_node=1", "show_env.py"], env, cwd=tmp_path) for node in (0, 1)]
+    reports = {}
+    for rc, out, err in finish_all(procs, 40):
+        assert rc == 0, err
+        reports.update(env_reports(out))
+    assert sorted(reports) == [0, 1]
+    for r, info in reports.items():
+        assert info["GROUP_RANK"] == str(r) and info["WORLD_SIZE"] == "2"
+        assert info["MASTER_ADDR"] == "127.0.0.1" and info["MASTER_PORT"] == str(port)
+        assert info["TORCHELASTIC_RUN_ID"] == "job7"
+    # Without --node-rank, torchrun would number the nodes; ddpc asks for it.
+    rc, _, err, _ = launch(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1", "show_env.py"],
+                           tmp_path, env=env)
+    assert rc == 2 and "argument --node-rank: required with --nnodes 2" in err
+
+
 FAKE_SMI = """#!/bin/sh
 case "$1" in
   --query-gpu=*)
@@ -380,6 +403,12 @@ def test_gpu_selection_through_nvidia_smi(tmp_path):
     (["--node-rank", "1", "ok.py"], "argument --node-rank: 1 is not below --nnodes 1"),
     (["--master-port", "70000", "ok.py"], "argument --master-port"),
     (["--timeout-kill", "-1", "ok.py"], "argument --timeout-kill"),
+    (["--nnodes", "1:2", "ok.py"], "'1:2' is an elastic range, and ddpc runs a fixed number"),
+    (["--rdzv-backend", "etcd", "ok.py"], "argument --rdzv-backend: 'etcd' is not supported"),
+    (["--rdzv-endpoint", "h0:x", "ok.py"], "argument --rdzv-endpoint/--rdzv_endpoint: expected"),
+    (["--rdzv-endpoint", "h0:1234", "--master-port", "99", "ok.py"],
+     "port 1234 differs from --master-port 99"),
+    (["--rdzv_id", "a", "--run-id", "b", "ok.py"], "'a' differs from --run-id 'b'"),
 ])
 def test_bad_arguments_are_named(tmp_path, args, message):
     write(tmp_path, "ok.py", "print('ran')\n")

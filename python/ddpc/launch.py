@@ -775,6 +775,39 @@ _nproc = _checked(lambda t: None if t == "auto" else int(t), lambda v: v is None
                   "a positive integer or 'auto'")
 
 
+def _nnodes(text: str) -> int:
+    """--nnodes: a positive integer; torchrun's elastic MIN:MAX only when MIN == MAX."""
+    lo, sep, hi = text.partition(":")
+    if sep:
+        n = _positive_int(lo)
+        if _positive_int(hi) != n:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is an elastic range, and ddpc runs a fixed number of nodes: pass one "
+                f"number (every node must be there from the start)")
+        return n
+    return _positive_int(text)
+
+
+def _endpoint(text: str) -> tuple[str, int | None]:
+    """--rdzv-endpoint HOST[:PORT] (torchrun's), IPv6 in brackets: [::1]:29400."""
+    host, port = text, None
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise argparse.ArgumentTypeError(f"expected HOST[:PORT], got {text!r}")
+        host, rest = text[1:end], text[end + 1:]
+        if rest:
+            if not rest.startswith(":"):
+                raise argparse.ArgumentTypeError(f"expected HOST[:PORT], got {text!r}")
+            port = _port(rest[1:])
+    elif text.count(":") == 1:
+        host, _, p = text.partition(":")
+        port = _port(p)
+    if not host:
+        raise argparse.ArgumentTypeError(f"expected HOST[:PORT], got {text!r}")
+    return host, port
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ddpc.launch", allow_abbrev=False,
@@ -789,9 +822,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=_nproc, default=None,
                    metavar="N|auto", help="ranks on this node (default auto: one per visible GPU, "
                    "or the number of --gpus, else 1)")
-    p.add_argument("--nnodes", type=_positive_int, default=1, help="number of nodes (default 1)")
-    p.add_argument("--node-rank", "--node_rank", type=_nonneg_int, default=0,
-                   help="this node's index, 0..nnodes-1 (default 0)")
+    p.add_argument("--nnodes", type=_nnodes, default=1,
+                   help="number of nodes (default 1; torchrun's N:N is accepted)")
+    p.add_argument("--node-rank", "--node_rank", type=_nonneg_int, default=None,
+                   help="this node's index, 0..nnodes-1 (required with --nnodes > 1; else 0)")
     p.add_argument("--master-addr", "--master_addr", default=None, metavar="ADDR",
                    help="address of node 0, where rank 0 serves the rendezvous store (default "
                    "127.0.0.1 on one node; required with --nnodes > 1)")
@@ -811,6 +845,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TORCHELASTIC_RUN_ID (default: random on one node, 'none' across nodes)")
     p.add_argument("--standalone", action="store_true",
                    help="accepted for torchrun compatibility: one node is the default")
+    rdzv = p.add_argument_group("torchrun's rendezvous flags, accepted so its commands carry over")
+    rdzv.add_argument("--rdzv-endpoint", "--rdzv_endpoint", type=_endpoint, default=None,
+                      metavar="HOST[:PORT]", help="the same as --master-addr HOST --master-port "
+                      "PORT")
+    rdzv.add_argument("--rdzv-backend", "--rdzv_backend", default=None, metavar="c10d",
+                      help="c10d or static (ddpc's own store plays that part); others are refused")
+    rdzv.add_argument("--rdzv-id", "--rdzv_id", default=None, metavar="ID",
+                      help="the same as --run-id")
     p.add_argument("-m", "--module", action="store_true",
                    help="run the target as a module, like python -m")
     p.add_argument("script", metavar="script.py|module", help="what each rank runs")
@@ -834,9 +876,31 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Launch
             parser.error(f"argument script.py: {args.script!r} not found (working directory "
                          f"{os.getcwd()}); to run a module use -m")
         target = [args.script] + args.script_args
+    if args.rdzv_backend is not None and args.rdzv_backend not in ("c10d", "static"):
+        parser.error(f"argument --rdzv-backend: {args.rdzv_backend!r} is not supported: ddpc "
+                     f"serves the rendezvous store from rank 0 itself (c10d's role); use c10d or "
+                     f"leave it out")
+    if args.rdzv_endpoint is not None:
+        host, port = args.rdzv_endpoint
+        if args.master_addr is not None and args.master_addr != host:
+            parser.error(f"argument --rdzv-endpoint: host {host!r} differs from --master-addr "
+                         f"{args.master_addr!r}: give one of them")
+        if port is not None and args.master_port is not None and args.master_port != port:
+            parser.error(f"argument --rdzv-endpoint: port {port} differs from --master-port "
+                         f"{args.master_port}: give one of them")
+        args.master_addr = host
+        if port is not None:
+            args.master_port = port
+    if args.rdzv_id is not None:
+        if args.run_id is not None and args.run_id != args.rdzv_id:
+            parser.error(f"argument --rdzv-id: {args.rdzv_id!r} differs from --run-id "
+                         f"{args.run_id!r}: give one of them")
+        args.run_id = args.rdzv_id
     if args.standalone and args.nnodes != 1:
         parser.error(f"argument --standalone: means one node, but --nnodes is {args.nnodes}")
-    if args.node_rank >= args.nnodes:
+    if args.node_rank is None and args.nnodes == 1:
+        args.node_rank = 0
+    if args.node_rank is not None and args.node_rank >= args.nnodes:
         parser.error(f"argument --node-rank: {args.node_rank} is not below --nnodes "
                      f"{args.nnodes}")
     token = os.environ.get("DDPC_TOKEN") or None
@@ -849,6 +913,10 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Launch
                          "  export DDPC_TOKEN=$(python -c 'import secrets; "
                          "print(secrets.token_hex(16))')\n"
                          "once, and export the same DDPC_TOKEN on every node before launching")
+        if args.node_rank is None:
+            parser.error(f"argument --node-rank: required with --nnodes {args.nnodes}: give each "
+                         f"node its index, 0 on the node at --master-addr (torchrun's c10d "
+                         f"rendezvous numbers the nodes itself; ddpc's does not)")
     try:
         plan = plan_devices(args.gpus, args.nproc_per_node)
     except ValueError as e:
