@@ -390,7 +390,9 @@ class WorkerGroup:
             elif all(lines) and time.monotonic() - quiet_since > 0.3:
                 break
         for w in asked:
-            w.stack = _stack_lines(w.capturing or [])
+            got = w.capturing or []
+            # A rank that exited meanwhile printed nothing because it was gone, not stuck.
+            w.stack = _stack_lines(got) if got or w.returncode is None else None
             w.capturing = None
 
     def signal_all(self, sig: int) -> None:
