@@ -136,7 +136,11 @@ def torch_checks(rank: int, world: int) -> int:
     assert torch.equal(tout, torch.cat([torch.tensor(values(r, 9, "sum", "float32"),
                                                      dtype=torch.bfloat16)
                                         for r in range(world)])), "all_gather torch"
-    return checks + 3
+    t = torch.full((6,), float(rank + 1))
+    ddpc.reduce(t, dst=1, op="sum")
+    assert t.tolist() == ([float(sum(range(1, world + 1)))] * 6 if rank == 1
+                          else [float(rank + 1)] * 6), f"reduce torch: {t.tolist()}"
+    return checks + 4
 
 
 def scenario_all() -> Dict:
@@ -192,6 +196,26 @@ def scenario_all() -> Dict:
                 assert_same(x, values(src, n, "sum", dtype).astype(dtype),
                             f"broadcast {dtype} src={src} n={n}")
                 checks += 1
+
+    # reduce: only dst gets the result; the others keep their values.
+    for dst in range(world):
+        for op in ("sum", "max", "avg"):
+            x = values(rank, 1001, op, "float64").astype(np.float64)
+            before = x.copy()
+            ddpc.reduce(x, dst=dst, op=op)
+            if rank == dst:
+                assert_same(x, reference(stack(1001, op, "float64"), op, "float64", world),
+                            f"reduce {op} dst={dst}", op)
+            else:
+                assert_same(x, before, f"reduce {op} dst={dst}: non-dst rank {rank} changed")
+            checks += 1
+
+    try:  # an array that only speaks DLPack cannot be copied: every rank refuses it
+        ddpc.reduce(HostArray(np.zeros(3, dtype=np.float32)), dst=0)
+        raise AssertionError("reduce of a DLPack-only array did not raise")
+    except TypeError as e:
+        assert "HostArray cannot be copied here" in str(e), e
+    checks += 1
 
     # all_gather (tensor and list forms).
     for dtype in ("float32", "int8", "float16", "int64"):

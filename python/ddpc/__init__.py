@@ -36,6 +36,7 @@ from ddpc.distributed import (  # noqa: F401
     init_process_group,
     is_available,
     is_initialized,
+    reduce,
     reduce_scatter,
     reduce_scatter_tensor,
 )

@@ -704,6 +704,26 @@ def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None,
     return _run(g, _ALLREDUCE, None, b, b.count, redop, 0, b.owner, async_op)
 
 
+def reduce(tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, group: Any = None,
+           async_op: bool = False) -> Optional[Work]:
+    """Rank dst's tensor becomes the reduction over ranks, in place; the other ranks' tensors stay
+    as they were (torch.distributed.reduce). An all-reduce, of a copy on the other ranks: meant
+    for metrics and losses, where the extra copy does not matter."""
+    g = _group(group)
+    _check_rank(g, dst, "dst", "reduce")
+    torch = sys.modules.get("torch")
+    is_torch = torch is not None and isinstance(tensor, torch.Tensor)
+    if not is_torch and not (type(tensor).__module__ == "numpy" and hasattr(tensor, "copy")):
+        # Checked on every rank, dst too, so no rank is left waiting in the all-reduce.
+        raise TypeError(f"reduce: the ranks other than dst keep their tensor, so they need a copy "
+                        f"of it, and a {type(tensor).__name__} cannot be copied here: pass a "
+                        f"torch tensor or a NumPy array, or use all_reduce")
+    if g.rank == dst:
+        return all_reduce(tensor, op=op, group=group, async_op=async_op)
+    scratch = tensor.clone() if is_torch else tensor.copy()
+    return all_reduce(scratch, op=op, group=group, async_op=async_op)
+
+
 def _check_rank(g: Any, value: Any, name: str, op: str) -> None:
     """A src / dst argument must be an int rank of the group."""
     if not isinstance(value, int) or isinstance(value, bool):
