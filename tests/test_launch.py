@@ -564,3 +564,37 @@ def test_no_stacks_for_an_ordinary_failure(tmp_path):
                            env=launcher_env(FAIL_RANK="1"))
     assert rc == 1
     assert "where its threads were" not in err
+
+
+def test_log_dir_keeps_each_rank_and_attempt(tmp_path):
+    write(tmp_path, "logs.py", """
+        import os, sys
+        rank = os.environ["RANK"]
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        print(f"out of rank {rank}, attempt {attempt}")
+        print(f"err of rank {rank}", file=sys.stderr)
+        if rank == "1":
+            raise ValueError("rank 1 fails every time")
+    """)
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "--max-restarts", "1", "--log_dir",
+                              "logs", "logs.py"], tmp_path)
+    assert rc == 1
+    assert "[rank0]: out of rank 0, attempt 0" in out  # the console still gets everything
+    logs = tmp_path / "logs"
+    for attempt in (0, 1):
+        base = logs / f"attempt_{attempt}"
+        for rank in (0, 1):
+            # One file per rank and stream, without the console's prefix.
+            assert (base / f"rank{rank}" / "stdout.log").read_text() == \
+                f"out of rank {rank}, attempt {attempt}\n"
+            assert (base / f"rank{rank}" / "stderr.log").read_text().startswith(
+                f"err of rank {rank}\n")
+        assert "ValueError: rank 1 fails every time" in \
+            (base / "rank1" / "stderr.log").read_text()
+        assert "rank 1 (local rank 1" in (base / "summary.log").read_text()
+    # A directory that cannot be written: the job runs, the console says why.
+    (tmp_path / "blocked").write_text("a file, not a directory")
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "--log-dir", "blocked", "logs.py"],
+                             tmp_path)
+    assert rc == 1 and "[rank0]: out of rank 0, attempt 0" in out
+    assert "cannot write blocked/attempt_0/rank0/stdout.log" in err

@@ -626,6 +626,7 @@ class LaunchConfig:
     timeout_kill: float
     run_id: str
     token: str | None              # None: a fresh secret per attempt
+    log_dir: str | None = None     # also write each rank's output under this directory
 
 
 class Launcher:
@@ -635,6 +636,8 @@ class Launcher:
         self.cfg = cfg
         self.lock = threading.Lock()
         self.signals: list[int] = []
+        self.attempt_dir: str | None = None  # --log-dir's directory for the current attempt
+        self.logs: dict[tuple[int, str], Any] = {}  # (rank, stream) -> open file, under lock
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signals.append(signum)
@@ -645,6 +648,8 @@ class Launcher:
         out = sys.stdout if stream == "stdout" else sys.stderr
         data = f"[rank{worker.rank}]: ".encode() + line + b"\n"
         with self.lock:
+            if self.attempt_dir is not None:
+                self._log(worker.rank, stream, line + b"\n")
             try:
                 out.flush()
                 buffer = getattr(out, "buffer", None)
@@ -656,6 +661,35 @@ class Launcher:
                     out.flush()
             except (OSError, ValueError):
                 pass  # our own stdout is gone (closed pipe): keep draining the workers
+
+    def _log(self, rank: int, stream: str, data: bytes) -> None:
+        """Appends to --log-dir's file of this rank and stream (under self.lock). A file that
+        cannot be written is reported once and skipped: the job goes on."""
+        key = (rank, stream)
+        f = self.logs.get(key)
+        if f is None:
+            path = os.path.join(self.attempt_dir, f"rank{rank}", f"{stream}.log")
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                f = open(path, "ab")
+            except OSError as e:
+                print(f"ddpc.launch: cannot write {path}: {e}; rank {rank}'s {stream} goes to "
+                      f"the console only", file=sys.stderr, flush=True)
+                f = False
+            self.logs[key] = f
+        if f:
+            try:
+                f.write(data)
+                f.flush()
+            except OSError:
+                pass
+
+    def _close_logs(self) -> None:
+        with self.lock:
+            for f in self.logs.values():
+                if f:
+                    f.close()
+            self.logs = {}
 
     def say(self, text: str) -> None:
         with self.lock:
@@ -698,6 +732,8 @@ class Launcher:
         base = dict(os.environ)
         if "OMP_NUM_THREADS" not in base and nproc > 1:
             base["OMP_NUM_THREADS"] = "1"
+        if cfg.log_dir is not None:
+            self.attempt_dir = os.path.join(cfg.log_dir, f"attempt_{restart}")
         try:
             for local in range(nproc):
                 if self.signals:
@@ -720,6 +756,7 @@ class Launcher:
                 group.stop(signal.SIGKILL)
             group.finish()
             shutil.rmtree(err_dir, ignore_errors=True)
+            self._close_logs()
 
     def watch(self, group: WorkerGroup) -> tuple[int, Worker | None]:
         """Waits until every rank succeeded, one failed, or the launcher got a signal."""
@@ -744,7 +781,14 @@ class Launcher:
                     group.dump_stacks()
                 group.stop(signal.SIGTERM, escalate=lambda: bool(self.signals))
                 group.finish()
-                self.say(failure_summary(group, first, rank_gpus=self.cfg.plan.rank_gpus))
+                summary = failure_summary(group, first, rank_gpus=self.cfg.plan.rank_gpus)
+                self.say(summary)
+                if self.attempt_dir is not None:
+                    try:
+                        with open(os.path.join(self.attempt_dir, "summary.log"), "w") as f:
+                            f.write(summary + "\n")
+                    except OSError as e:
+                        self.say(f"ddpc.launch: cannot write the summary under --log-dir: {e}")
                 return exit_status(first.returncode), first
             if not running:
                 group.finish()
@@ -845,6 +889,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "ranks (default 5)")
     p.add_argument("--run-id", "--run_id", default=None,
                    help="TORCHELASTIC_RUN_ID (default: random on one node, 'none' across nodes)")
+    p.add_argument("--log-dir", "--log_dir", default=None, metavar="DIR",
+                   help="also write each rank's output to DIR/attempt_K/rankR/stdout.log and "
+                   "stderr.log (K: the restart), and a failure's summary to "
+                   "DIR/attempt_K/summary.log")
     p.add_argument("--standalone", action="store_true",
                    help="accepted for torchrun compatibility: one node is the default")
     rdzv = p.add_argument_group("torchrun's rendezvous flags, accepted so its commands carry over")
@@ -930,7 +978,7 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Launch
     return LaunchConfig(target=target, plan=plan, nnodes=args.nnodes, node_rank=args.node_rank,
                         master_addr=args.master_addr or "127.0.0.1", master_port=master_port,
                         max_restarts=args.max_restarts, timeout_kill=args.timeout_kill,
-                        run_id=run_id, token=token)
+                        run_id=run_id, token=token, log_dir=args.log_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
