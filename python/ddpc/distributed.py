@@ -708,7 +708,8 @@ def reduce(tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, group: Any = None,
            async_op: bool = False) -> Optional[Work]:
     """Rank dst's tensor becomes the reduction over ranks, in place; the other ranks' tensors stay
     as they were (torch.distributed.reduce). An all-reduce, of a copy on the other ranks: meant
-    for metrics and losses, where the extra copy does not matter."""
+    for metrics and losses, where the extra copy does not matter. tensor must be a torch tensor
+    or a NumPy array (TypeError otherwise, on every rank)."""
     g = _group(group)
     _check_rank(g, dst, "dst", "reduce")
     torch = sys.modules.get("torch")
