@@ -568,12 +568,16 @@ def test_no_stacks_for_an_ordinary_failure(tmp_path):
 
 def test_log_dir_keeps_each_rank_and_attempt(tmp_path):
     write(tmp_path, "logs.py", """
-        import os, sys
+        import os, sys, time
         rank = os.environ["RANK"]
         attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-        print(f"out of rank {rank}, attempt {attempt}")
-        print(f"err of rank {rank}", file=sys.stderr)
-        if rank == "1":
+        print(f"out of rank {rank}, attempt {attempt}", flush=True)
+        print(f"err of rank {rank}", file=sys.stderr, flush=True)
+        if rank == "0":
+            open(f"printed-{attempt}", "w").close()
+        else:
+            while not os.path.exists(f"printed-{attempt}"):  # fail once rank 0 has printed
+                time.sleep(0.05)
             raise ValueError("rank 1 fails every time")
     """)
     rc, out, err, _ = launch(["--nproc-per-node", "2", "--max-restarts", "1", "--log_dir",
@@ -593,6 +597,8 @@ def test_log_dir_keeps_each_rank_and_attempt(tmp_path):
             (base / "rank1" / "stderr.log").read_text()
         assert "rank 1 (local rank 1" in (base / "summary.log").read_text()
     # A directory that cannot be written: the job runs, the console says why.
+    for marker in tmp_path.glob("printed-*"):
+        marker.unlink()
     (tmp_path / "blocked").write_text("a file, not a directory")
     rc, out, err, _ = launch(["--nproc-per-node", "2", "--log-dir", "blocked", "logs.py"],
                              tmp_path)
