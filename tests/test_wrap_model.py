@@ -9,6 +9,7 @@ results, so a broken feature fails its own test.
 """
 import copy
 import os
+import re
 import subprocess
 
 import pytest
@@ -866,3 +867,61 @@ def test_reducer_c_unit(sanitize):
     run = subprocess.run([exe], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr + run.stdout
     assert "all checks passed" in run.stdout
+
+
+# ------------------------------------------------------------------ arguments (one rank)
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A default cpu group of one rank in this process."""
+    import ddpc
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT", "DDPC_TOKEN", "DDPC_TIMEOUT"):
+        monkeypatch.delenv(k, raising=False)
+    ddpc.init_process_group(backend="cpu", rank=0, world_size=1, timeout=30)
+    yield ddpc
+    ddpc.destroy_process_group()
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be > 0"),
+    ({"bucket_cap_mb": "25"}, TypeError, "bucket_cap_mb must be a number of MiB"),
+    ({"broadcast_buffers": 1}, TypeError, "broadcast_buffers must be a bool"),
+    ({"grad_dtype": torch.float64}, ValueError, "grad_dtype must be None, torch.bfloat16"),
+    ({"group": object()}, TypeError, "group must be a process group"),
+    ({"device_ids": [1]}, ValueError, "device_ids=[1], but this rank works on cpu"),
+    ({"output_device": "cuda:0"}, ValueError, "output_device='cuda:0', but this rank works"),
+    ({"dim": 1}, ValueError, "dim=1: ddpc splits nothing itself"),
+    ({"find_unused_parameters": "yes"}, TypeError, "find_unused_parameters must be a bool"),
+    ({"static_graph": None}, TypeError, "static_graph must be a bool"),
+])
+def test_bad_arguments_are_named(one_rank, kwargs, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        one_rank.wrap_model(torch.nn.Linear(2, 2), **kwargs)
+
+
+def test_bad_modules_are_named(one_rank):
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module, got str"):
+        one_rank.wrap_model("net")
+    wrapped = one_rank.wrap_model(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="already wrapped"):
+        one_rank.wrap_model(wrapped)
+
+
+def test_torch_ddp_call_carries_over(one_rank):
+    """DDP's keywords and positional order: the same training as wrap_model's."""
+    from ddpc import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    b.load_state_dict(a.state_dict())
+    ma = one_rank.wrap_model(a)
+    mb = DDP(b, None, None, 0, True, None, 25, find_unused_parameters=True,
+             gradient_as_bucket_view=True, static_graph=True)
+    assert isinstance(mb, one_rank.DistributedModel) and mb.module is b
+    x = torch.randn(4, 3)
+    for m in (ma, mb):
+        m(x).square().sum().backward()
+    assert torch.equal(a.weight.grad, b.weight.grad)
+    with pytest.raises(TypeError, match=r"unsupported keyword\(s\) \['mixed_precision'\]"):
+        DDP(torch.nn.Linear(2, 2), mixed_precision=None)

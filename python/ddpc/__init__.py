@@ -44,6 +44,7 @@ from ddpc.distributed import (  # noqa: F401
 __version__ = "0.1.0"
 
 _LAZY = {"wrap_model": "parallel", "unwrap": "parallel", "DistributedModel": "parallel",
+         "DistributedDataParallel": "parallel",
          "DistributedSampler": "sampler", "notebook_launcher": "notebook",
          "WorkerError": "notebook"}
 

@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from ddpc import _C
 from ddpc import distributed as dist
 
-__all__ = ["DistributedModel", "wrap_model", "unwrap"]
+__all__ = ["DistributedModel", "DistributedDataParallel", "wrap_model", "unwrap"]
 
 FIRST_BUCKET_BYTES = 1 << 20
 # Parameters and buffers are broadcast in pieces of at most this size (staging memory).
@@ -881,9 +881,40 @@ def _nested_load_hook(module: DistributedModel, state_dict: Dict[str, Any], pref
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
+def _check_ddp_keywords(device_ids: Any, output_device: Any, dim: int,
+                        flags: Dict[str, Any]) -> None:
+    """torch DDP's keywords that wrap_model accepts for a drop-in switch: the devices must be this
+    rank's own (ddpc binds each rank to its GPU), dim must be 0, and the flags must be bools.
+    find_unused_parameters, gradient_as_bucket_view and static_graph change nothing: ddpc always
+    handles unused parameters, keeps gradients in the buckets, and learns the order itself."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"wrap_model: {name} must be a bool, got {type(value).__name__}")
+    if dim != 0:
+        raise ValueError(f"wrap_model: dim={dim}: ddpc splits nothing itself (each rank feeds its "
+                         f"own batch, as DDP with one device per process does); leave dim at 0")
+    own = dist.device()
+    for name, devices in (("device_ids", device_ids), ("output_device", output_device)):
+        if devices is None:
+            continue
+        items = list(devices) if isinstance(devices, (list, tuple)) else [devices]
+        for d in items:
+            dev = torch.device("cuda", d) if isinstance(d, int) and not isinstance(d, bool) \
+                else torch.device(d)
+            if own.type == "cuda" and dev.type == "cuda" and dev.index is None:
+                dev = own
+            if dev != own or len(items) != 1:
+                raise ValueError(f"wrap_model: {name}={devices!r}, but this rank works on {own} "
+                                 f"(ddpc binds each rank to one GPU, from LOCAL_RANK): pass "
+                                 f"[ddpc.device()] or leave {name} out")
+
+
 def wrap_model(module: torch.nn.Module, *, bucket_cap_mb: float = 25,
                broadcast_buffers: bool = True, grad_dtype: Optional[torch.dtype] = None,
-               group: Any = None) -> DistributedModel:
+               group: Any = None, device_ids: Any = None, output_device: Any = None,
+               dim: int = 0, process_group: Any = None, find_unused_parameters: bool = False,
+               gradient_as_bucket_view: bool = True, static_graph: bool = False,
+               check_reduction: bool = False) -> DistributedModel:
     """Makes module data-parallel: gradients are averaged across the ranks of `group` (default:
     the group of init_process_group) during every backward.
 
@@ -905,6 +936,11 @@ def wrap_model(module: torch.nn.Module, *, bucket_cap_mb: float = 25,
     unused in a step (on some or all ranks) get a gradient of zero from the ranks that did not
     use them. Use model.no_sync() for gradient
     accumulation, ddpc.unwrap(model) for the original module.
+
+    torch DDP's keywords are accepted, so `DistributedDataParallel(model, device_ids=[rank])`
+    carries over (ddpc.DistributedDataParallel is this function): device_ids and output_device
+    must name this rank's device, process_group is `group`, and find_unused_parameters,
+    gradient_as_bucket_view, static_graph and check_reduction change nothing (see above).
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"wrap_model: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -922,12 +958,42 @@ def wrap_model(module: torch.nn.Module, *, bucket_cap_mb: float = 25,
     if grad_dtype is not None and grad_dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"wrap_model: grad_dtype must be None, torch.bfloat16 or torch.float16, "
                          f"got {grad_dtype}")
+    _check_ddp_keywords(device_ids, output_device, dim, {
+        "find_unused_parameters": find_unused_parameters,
+        "gradient_as_bucket_view": gradient_as_bucket_view, "static_graph": static_graph,
+        "check_reduction": check_reduction})
+    if group is not None and process_group is not None and group is not process_group:
+        raise ValueError("wrap_model: group and process_group name different groups: pass one")
+    if process_group is not None and group is None:
+        group = process_group
     g = group if group is not None else dist._default_group()
     if not isinstance(g, _C.Group):
         raise TypeError(f"wrap_model: group must be a process group (ddpc._C.Group) or None for "
                         f"the default one, got {type(g).__name__}")
     return DistributedModel(module, int(bucket_cap_mb * (1 << 20)), broadcast_buffers, grad_dtype,
                             g)
+
+
+def DistributedDataParallel(module: torch.nn.Module, device_ids: Any = None,  # noqa: N802
+                            output_device: Any = None, dim: int = 0,
+                            broadcast_buffers: bool = True, process_group: Any = None,
+                            bucket_cap_mb: float = 25, find_unused_parameters: bool = False,
+                            check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+                            static_graph: bool = False, **kwargs: Any) -> DistributedModel:
+    """torch.nn.parallel.DistributedDataParallel's name and positional order, for a one-line
+    switch: `from ddpc import DistributedDataParallel as DDP`. It is wrap_model (see there); it
+    returns a ddpc.DistributedModel, not an instance of this name. Other wrap_model keywords
+    (grad_dtype, group) pass through."""
+    unknown = set(kwargs) - {"grad_dtype", "group"}
+    if unknown:
+        raise TypeError(f"DistributedDataParallel: unsupported keyword(s) {sorted(unknown)}: "
+                        f"ddpc takes DDP's documented arguments plus grad_dtype and group")
+    return wrap_model(module, device_ids=device_ids, output_device=output_device, dim=dim,
+                      broadcast_buffers=broadcast_buffers, process_group=process_group,
+                      bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
+                      check_reduction=check_reduction,
+                      gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+                      **kwargs)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
