@@ -647,18 +647,6 @@ if __name__ == "__main__":
 # ------------------------------------------------------------------------- argument checks
 
 
-@pytest.fixture
-def world_one(monkeypatch):
-    """A default group of one rank in this process (no launcher variables)."""
-    import ddpc
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-              "MASTER_PORT", "DDPC_TOKEN", "DDPC_TIMEOUT"):
-        monkeypatch.delenv(k, raising=False)
-    ddpc.init_process_group(backend="cpu", rank=0, world_size=1, timeout=30)
-    yield ddpc
-    ddpc.destroy_process_group()
-
-
 def test_non_native_byte_order_is_refused(world_one):
     """A big-endian array would be summed as if it were little-endian: wrong numbers, no error."""
     x = np.arange(4, dtype=np.float32).astype(np.dtype(np.float32).newbyteorder())

@@ -872,18 +872,6 @@ def test_reducer_c_unit(sanitize):
 # ------------------------------------------------------------------ arguments (one rank)
 
 
-@pytest.fixture
-def one_rank(monkeypatch):
-    """A default cpu group of one rank in this process."""
-    import ddpc
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-              "MASTER_PORT", "DDPC_TOKEN", "DDPC_TIMEOUT"):
-        monkeypatch.delenv(k, raising=False)
-    ddpc.init_process_group(backend="cpu", rank=0, world_size=1, timeout=30)
-    yield ddpc
-    ddpc.destroy_process_group()
-
-
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be > 0"),
     ({"bucket_cap_mb": "25"}, TypeError, "bucket_cap_mb must be a number of MiB"),
@@ -896,29 +884,29 @@ def one_rank(monkeypatch):
     ({"find_unused_parameters": "yes"}, TypeError, "find_unused_parameters must be a bool"),
     ({"static_graph": None}, TypeError, "static_graph must be a bool"),
 ])
-def test_bad_arguments_are_named(one_rank, kwargs, error, message):
+def test_bad_arguments_are_named(world_one, kwargs, error, message):
     with pytest.raises(error, match=re.escape(message)):
-        one_rank.wrap_model(torch.nn.Linear(2, 2), **kwargs)
+        world_one.wrap_model(torch.nn.Linear(2, 2), **kwargs)
 
 
-def test_bad_modules_are_named(one_rank):
+def test_bad_modules_are_named(world_one):
     with pytest.raises(TypeError, match="module must be a torch.nn.Module, got str"):
-        one_rank.wrap_model("net")
-    wrapped = one_rank.wrap_model(torch.nn.Linear(2, 2))
+        world_one.wrap_model("net")
+    wrapped = world_one.wrap_model(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="already wrapped"):
-        one_rank.wrap_model(wrapped)
+        world_one.wrap_model(wrapped)
 
 
-def test_torch_ddp_call_carries_over(one_rank):
+def test_torch_ddp_call_carries_over(world_one):
     """DDP's keywords and positional order: the same training as wrap_model's."""
     from ddpc import DistributedDataParallel as DDP
     torch.manual_seed(0)
     a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     b.load_state_dict(a.state_dict())
-    ma = one_rank.wrap_model(a)
+    ma = world_one.wrap_model(a)
     mb = DDP(b, None, None, 0, True, None, 25, find_unused_parameters=True,
              gradient_as_bucket_view=True, static_graph=True)
-    assert isinstance(mb, one_rank.DistributedModel) and mb.module is b
+    assert isinstance(mb, world_one.DistributedModel) and mb.module is b
     x = torch.randn(4, 3)
     for m in (ma, mb):
         m(x).square().sum().backward()
