@@ -1035,11 +1035,16 @@ static PyObject *int_list(const int *v, int n) {
     return l;
 }
 
+/* A list of parameter indices that the reducer writes into its scratch array. */
+static PyObject *reducer_indices(ReducerObject *self, int (*get)(DdpcReducer *, int *)) {
+    if (!reducer_ready(self)) return NULL;
+    int n = get(self->r, self->scratch);
+    return int_list(self->scratch, n);
+}
+
 static PyObject *Reducer_unready(ReducerObject *self, PyObject *unused) {
     (void)unused;
-    if (!reducer_ready(self)) return NULL;
-    int n = ddpc_reducer_unready(self->r, self->scratch);
-    return int_list(self->scratch, n);
+    return reducer_indices(self, ddpc_reducer_unready);
 }
 
 static PyObject *Reducer_finalize(ReducerObject *self, PyObject *args) {
@@ -1058,9 +1063,7 @@ static PyObject *Reducer_finalize(ReducerObject *self, PyObject *args) {
 
 static PyObject *Reducer_take_flushed(ReducerObject *self, PyObject *unused) {
     (void)unused;
-    if (!reducer_ready(self)) return NULL;
-    int n = ddpc_reducer_take_flushed(self->r, self->scratch);
-    return int_list(self->scratch, n);
+    return reducer_indices(self, ddpc_reducer_take_flushed);
 }
 
 static PyObject *Reducer_host_times(ReducerObject *self, PyObject *args) {
