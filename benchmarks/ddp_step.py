@@ -108,7 +108,7 @@ def peak_mib(device: torch.device) -> float:
 ENV_VARS = ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO", "NCCL_IB_DISABLE",
             "NCCL_SHM_USE_CUDA_MEMCPY", "NCCL_SHM_MEMCPY_MODE", "CUDA_VISIBLE_DEVICES",
             "OMP_NUM_THREADS", "DDPC_NCCL_MIN_CTAS", "DDPC_NCCL_MAX_CTAS",
-            "DDPC_STAGED_ALLREDUCE", "DDPC_STAGED_OVERLAP")
+            "DDPC_STAGED_ALLREDUCE", "DDPC_STAGED_OVERLAP", "DDPC_NCCL_POST_THREAD")
 
 
 def describe_env(device: torch.device) -> dict:
@@ -260,6 +260,15 @@ def _worker(rank, args, ports, results):
         variants += [Variant("ddpc per-gradient copies", lambda m: ddpc.wrap_model(m), env=one),
                      Variant("ddpc bf16 per-gradient casts",
                              lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16), env=one)]
+    if args.inline_posts:
+        # What issuing the buckets' collectives from ddpc's posting thread saves the host path
+        # of the backward: issued by the thread that runs the gradient hooks instead
+        # (DDPC_NCCL_POST_THREAD=0, read when a reducer is made).
+        inline = {"DDPC_NCCL_POST_THREAD": "0"}
+        variants += [Variant("ddpc inline posts", lambda m: ddpc.wrap_model(m), env=inline),
+                     Variant("ddpc bf16 inline posts",
+                             lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16),
+                             env=inline)]
     if args.comm_casts:
         # What casting a bf16 bucket to and from the wire on the communication stream, around
         # its collective, saves: the casts leave the backward's stream and the casts back leave
@@ -379,6 +388,10 @@ def main() -> int:
                     help="also run ddpc with each gradient copied (cast) into its bucket as it "
                          "arrives, one launch each (DDPC_GRAD_BATCH=0), instead of a bucket's "
                          "in one launch")
+    ap.add_argument("--inline-posts", action="store_true",
+                    help="also run ddpc (float32 and bf16 gradients) with the buckets' "
+                         "collectives issued by the thread that runs the gradient hooks "
+                         "(DDPC_NCCL_POST_THREAD=0) instead of ddpc's posting thread")
     ap.add_argument("--comm-casts", action="store_true",
                     help="also run ddpc with bf16 gradients cast to and from the wire on the "
                          "communication stream around each all-reduce (DDPC_COMM_CASTS=1) "

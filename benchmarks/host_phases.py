@@ -116,7 +116,7 @@ def worker(rank, world, ports, out, trace=False):
             if rank == 0:
                 ka = prof.key_averages()
                 res["trace " + name] = (
-                    ka.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=48)
+                    ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=48)
                     + "\nby GPU time:\n"
                     + ka.table(sort_by="self_device_time_total", row_limit=25,
                                max_name_column_width=48))

@@ -352,6 +352,13 @@ typedef struct NcclWorkData {
     cudaEvent_t done;   /* recorded on the communication stream after the collective */
     atomic_int enqueued;/* 1 once `done` is recorded: only then may the watchdog query it */
     int staged;         /* it took the staged path: check the peers' aborted words when done */
+    int deferred;       /* posted with DdpcCollArgs.defer: the posting thread issues it */
+    /* A deferred post (DdpcCollArgs.defer): the caller's stream position when it was posted,
+     * until the posting thread has made the communication stream wait for it; the link in the
+     * posting queue; and whether the posting thread is done with it (posted or failed). */
+    cudaEvent_t ready;
+    struct DdpcWork *post_next;
+    int posted; /* guarded by NcclImpl.mu */
 } NcclWorkData;
 
 typedef struct NcclImpl {
@@ -376,6 +383,15 @@ typedef struct NcclImpl {
     DdpcStaged *staged;      /* the copy-engine path for large all-reduces without P2P, or NULL */
     size_t staged_min_bytes; /* all-reduces of at least this many bytes take it */
     int staged_overlap;      /* calls on disjoint buffers overlap (DDPC_STAGED_OVERLAP=0: not) */
+    /* The posting thread (deferred posts): it issues them in posting order, one after the
+     * other, each from post_head; a post that is not deferred first waits until the queue is
+     * empty (every post holds g->mu, so no new one arrives meanwhile). Guarded by mu. */
+    pthread_t poster;
+    int poster_started, poster_stop, poster_idle;
+    pthread_cond_t post_cv;   /* the posting thread waits here for work */
+    pthread_cond_t posted_cv; /* threads waiting for a post to be issued wait here */
+    int posted_waiters;
+    DdpcWork *post_head, *post_tail;
 } NcclImpl;
 
 /* What a fast call was, for the message when it fails (the kernel reports only its epoch). */
@@ -408,6 +424,8 @@ typedef struct FastAr {
 static ddpc_status aborted_error(NcclImpl *im, const char *what);
 static void fast_free(NcclImpl *im, int region_shared);
 static void fast_watch(NcclImpl *im);
+static void *poster_main(void *arg);
+static ddpc_status wait_posted(NcclImpl *im, DdpcWork *w);
 
 static void sleep_us(unsigned us) {
     struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)us * 1000L};
@@ -877,6 +895,8 @@ static void impl_free(NcclImpl *im) {
     if (im->ready) CUDA_LOG(cudaEventDestroy(im->ready));
     if (im->stream) CUDA_LOG(cudaStreamDestroy(im->stream));
     pthread_cond_destroy(&im->cv);
+    pthread_cond_destroy(&im->post_cv);
+    pthread_cond_destroy(&im->posted_cv);
     pthread_mutex_destroy(&im->mu);
     pthread_mutex_destroy(&im->comm_mu);
     free(im);
@@ -1493,6 +1513,8 @@ static ddpc_status nccl_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *a, uint
     }
     if (atomic_load(&g->aborted)) return aborted_error(im, "all_reduce");
     DDPC_CHECK(fast_check(im));
+    /* The deferred posts before it are issued first: it orders itself after the newest. */
+    if (im->poster_started) DDPC_CHECK(wait_posted(im, NULL));
     ddpc_status st = DDPC_OK;
     int prev = -1;
     DDPC_CUDACHECK_GOTO(cudaGetDevice(&prev), st, fail);
@@ -1590,6 +1612,8 @@ static ddpc_status nccl_init(DdpcGroup *g) {
     pthread_condattr_init(&cattr);
     pthread_condattr_setclock(&cattr, CLOCK_MONOTONIC);
     pthread_cond_init(&im->cv, &cattr);
+    pthread_cond_init(&im->post_cv, &cattr);
+    pthread_cond_init(&im->posted_cv, &cattr);
     pthread_condattr_destroy(&cattr);
 
     int least = 0, greatest = 0;
@@ -1615,6 +1639,17 @@ static ddpc_status nccl_init(DdpcGroup *g) {
         goto fail;
     }
     im->watchdog_started = 1;
+    /* The reducer's bucket posts are issued from a thread of their own, off the host path that
+     * launches the backward's kernels (DDPC_NCCL_POST_THREAD=0: on the caller's thread). */
+    const char *pv = getenv("DDPC_NCCL_POST_THREAD");
+    if (!pv || !pv[0] || env_truthy(pv)) {
+        rc = pthread_create(&im->poster, NULL, poster_main, im);
+        if (rc == 0)
+            im->poster_started = 1;
+        else
+            DDPC_INFO("NCCL", "rank %d: no posting thread (%s): collectives are issued by their "
+                      "callers", g->rank, strerror(rc));
+    }
     g->impl = im;
     snprintf(g->transport, sizeof g->transport, "nccl");
     DDPC_INFO("NCCL", "rank %d/%d ready on cuda:%d with NCCL %s", g->rank, g->world, im->device,
@@ -1718,9 +1753,11 @@ static int disjoint_from_queue(NcclImpl *im, const DdpcWork *w) {
     return ok;
 }
 
-/* The NCCL part of a post. The work is already in the queue; on any failure the group is
- * aborted (a peer may already be inside this collective) and the watchdog completes the work. */
-static ddpc_status enqueue(NcclImpl *im, DdpcWork *w) {
+/* The NCCL part of a post, on the posting thread or the caller's. The work is already in the
+ * queue, and the communication stream waits for the caller's position, which the event `pos`
+ * marks; on any failure the group is aborted (a peer may already be inside this collective) and
+ * the watchdog completes the work. */
+static ddpc_status enqueue(NcclImpl *im, DdpcWork *w, cudaEvent_t pos) {
     NcclWorkData *wd = w->backend_data;
     char what[160]; /* described only on a failure: posts are on the training step's host path */
     const DdpcCollArgs *a = &w->args;
@@ -1730,17 +1767,18 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w) {
     /* Zero elements: nothing to move, and NCCL may reject the NULL buffers that come with it.
      * Every rank sees the same count, so every rank skips. */
     int call = a->op == DDPC_COLL_BARRIER || a->count > 0;
-    /* Staged overlap: im->ready holds the caller's stream position of this post (nccl_post
-     * just recorded it; posts are serialized). Looked up before comm_mu, never held with mu. */
+    /* Staged overlap: the staged all-reduce starts from the caller's stream position of this
+     * post (pos) rather than behind the collectives before it on the communication stream.
+     * Looked up before comm_mu, never held with mu. */
     void *ready = im->staged && im->staged_overlap && call && a->op == DDPC_COLL_ALLREDUCE &&
                           disjoint_from_queue(im, w)
-                      ? (void *)im->ready
+                      ? (void *)pos
                       : NULL;
     /* The caller's work preparing the input, on this stream (ordered after the caller's by
      * nccl_post); a staged all-reduce then starts from here, not from the caller's position. */
     if (a->before) {
         DDPC_CHECK_GOTO(a->before(a->hook_ctx, (uintptr_t)im->stream), st, fail);
-        if (ready) DDPC_CUDACHECK_GOTO(cudaEventRecord(im->ready, im->stream), st, fail);
+        if (ready) DDPC_CUDACHECK_GOTO(cudaEventRecord(pos, im->stream), st, fail);
     }
     pthread_mutex_lock(&im->comm_mu);
     if (!im->comm) {
@@ -1778,6 +1816,103 @@ fail:
     return st;
 }
 
+/* ---------------------------------------------------------------- the posting thread */
+
+/* Waits until the posting thread is done with the deferred work w (issued it, or gave up on it
+ * after an abort), or, with w NULL, with every deferred post queued so far. In slices, so Ctrl-C
+ * reaches a Python caller; it ends because a post stuck inside NCCL is freed by the watchdog's
+ * abort at the work's deadline. */
+static ddpc_status wait_posted(NcclImpl *im, DdpcWork *w) {
+    NcclWorkData *wd = w ? w->backend_data : NULL;
+    pthread_mutex_lock(&im->mu);
+    while (w ? !wd->posted : im->post_head != NULL) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        ts.tv_nsec += DDPC_SLICE_MS * 1000000L;
+        ts.tv_sec += ts.tv_nsec / 1000000000L;
+        ts.tv_nsec %= 1000000000L;
+        im->posted_waiters++;
+        pthread_cond_timedwait(&im->posted_cv, &im->mu, &ts);
+        im->posted_waiters--;
+        if (w ? wd->posted : im->post_head == NULL) break;
+        pthread_mutex_unlock(&im->mu);
+        DDPC_CHECK(ddpc_check_interrupt());
+        pthread_mutex_lock(&im->mu);
+    }
+    pthread_mutex_unlock(&im->mu);
+    return DDPC_OK;
+}
+
+/* Issues one deferred post: the communication stream waits for the caller's position, then the
+ * collective goes there (enqueue). A work already failed (the group was aborted after it was
+ * posted) is not issued. A failure requests the abort, which fails the work. */
+static void post_deferred(NcclImpl *im, DdpcWork *w, int bound) {
+    NcclWorkData *wd = w->backend_data;
+    if (bound && !atomic_load(&w->done)) {
+        cudaError_t e = cudaStreamWaitEvent(im->stream, wd->ready, 0);
+        if (e == cudaSuccess) {
+            (void)enqueue(im, w, wd->ready);
+        } else {
+            char what[160];
+            describe_work(w, what, sizeof what);
+            ddpc_error(DDPC_ERR_CUDA, "%s on rank %d: ordering the communication stream after "
+                       "the caller's stream failed: %s (%s)", what, im->g->rank,
+                       cudaGetErrorName(e), cudaGetErrorString(e));
+            request_abort(im, DDPC_ERR_CUDA, ddpc_last_error());
+        }
+    }
+    /* (the wait has captured the event: the next post may record it again) */
+    pool_put(im, wd->ready);
+    wd->ready = NULL;
+}
+
+static void *poster_main(void *arg) {
+    NcclImpl *im = arg;
+    cudaError_t e = cudaSetDevice(im->device);
+    int bound = e == cudaSuccess;
+    if (!bound) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "the NCCL posting thread of rank %d could not bind cuda:%d: "
+                 "%s (%s)", im->g->rank, im->device, cudaGetErrorName(e), cudaGetErrorString(e));
+        request_abort(im, DDPC_ERR_CUDA, msg);
+    }
+    pthread_mutex_lock(&im->mu);
+    for (;;) {
+        while (!im->post_head && !im->poster_stop) {
+            im->poster_idle = 1;
+            pthread_cond_wait(&im->post_cv, &im->mu);
+            im->poster_idle = 0;
+        }
+        DdpcWork *w = im->post_head;
+        if (!w) break; /* stopping, and nothing is left to post */
+        pthread_mutex_unlock(&im->mu);
+        post_deferred(im, w, bound);
+        pthread_mutex_lock(&im->mu);
+        NcclWorkData *wd = w->backend_data;
+        im->post_head = wd->post_next;
+        if (!im->post_head) im->post_tail = NULL;
+        wd->post_next = NULL;
+        wd->posted = 1;
+        if (im->posted_waiters) pthread_cond_broadcast(&im->posted_cv);
+        pthread_mutex_unlock(&im->mu);
+        ddpc_work_release(w); /* the queue's reference (may take mu: the event pool) */
+        pthread_mutex_lock(&im->mu);
+    }
+    pthread_mutex_unlock(&im->mu);
+    return NULL;
+}
+
+/* Stops the posting thread once it has issued (or, after an abort, dropped) what is queued. */
+static void poster_stop(NcclImpl *im) {
+    if (!im->poster_started) return;
+    pthread_mutex_lock(&im->mu);
+    im->poster_stop = 1;
+    pthread_cond_signal(&im->post_cv);
+    pthread_mutex_unlock(&im->mu);
+    pthread_join(im->poster, NULL);
+    im->poster_started = 0;
+}
+
 static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
     NcclImpl *im = g->impl;
     const DdpcCollArgs *a = &w->args;
@@ -1792,6 +1927,10 @@ static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
                           "is in %s: move it to cuda:%d (host arrays need the cpu backend)",
                           what, g->rank, im->device, dev, im->device);
     }
+    /* Deferred: issued by the posting thread. Otherwise issued here, after the deferred posts
+     * before it (the work in between may have filled this one's input). */
+    int defer = a->defer && im->poster_started && !a->before && !a->after && a->device >= 0;
+    if (!defer && im->poster_started) DDPC_CHECK(wait_posted(im, NULL));
     int prev = -1;
     DDPC_CUDACHECK(cudaGetDevice(&prev));
     if (prev != im->device) DDPC_CUDACHECK(cudaSetDevice(im->device));
@@ -1803,6 +1942,39 @@ static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
     }
     atomic_init(&wd->enqueued, 0);
     DDPC_CHECK_GOTO(pool_get(im, &wd->done), st, fail_wd);
+    if (defer) {
+        /* The caller's stream position, for the posting thread to make the communication stream
+         * wait for; then the work joins the watchdog's queue and the posting queue, in the same
+         * order (both appends under mu, and every post holds g->mu). */
+        DDPC_CHECK_GOTO(pool_get(im, &wd->ready), st, fail_ev);
+        cudaError_t e = cudaEventRecord(wd->ready, (cudaStream_t)a->stream);
+        if (e != cudaSuccess) {
+            pool_put(im, wd->ready);
+            st = ddpc_error(DDPC_ERR_CUDA, "cudaEventRecord failed: %s (%s)", cudaGetErrorName(e),
+                            cudaGetErrorString(e));
+            goto fail_ev;
+        }
+        wd->deferred = 1;
+        w->backend_data = wd;
+        ddpc_work_retain(w); /* the watchdog's queue */
+        ddpc_work_retain(w); /* the posting queue */
+        pthread_mutex_lock(&im->mu);
+        w->next = NULL;
+        if (im->tail)
+            im->tail->next = w;
+        else
+            im->head = w;
+        im->tail = w;
+        pthread_cond_signal(&im->cv);
+        if (im->post_tail)
+            ((NcclWorkData *)im->post_tail->backend_data)->post_next = w;
+        else
+            im->post_head = w;
+        im->post_tail = w;
+        if (im->poster_idle) pthread_cond_signal(&im->post_cv);
+        pthread_mutex_unlock(&im->mu);
+        goto restore;
+    }
     /* The communication stream waits for the caller's queued work (the event replaces a host
      * sync); the event may be re-recorded by the next post, the wait has already captured it. */
     DDPC_CUDACHECK_GOTO(cudaEventRecord(im->ready, (cudaStream_t)a->stream), st, fail_ev);
@@ -1818,7 +1990,7 @@ static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
     im->tail = w;
     pthread_cond_signal(&im->cv);
     pthread_mutex_unlock(&im->mu);
-    st = enqueue(im, w);
+    st = enqueue(im, w, im->ready);
     goto restore;
 
 fail_ev:
@@ -1839,9 +2011,16 @@ restore:
 }
 
 static ddpc_status nccl_wait_stream(DdpcWork *w, uintptr_t stream) {
+    NcclWorkData *wd = w->backend_data;
+    if (wd && wd->deferred && !atomic_load(&wd->enqueued)) {
+        /* Not issued yet (the posting thread is behind), or it failed: then the abort it
+         * requested fails the work, with the reason. */
+        NcclImpl *im = w->g->impl;
+        if (im) DDPC_CHECK(wait_posted(im, w));
+        if (!atomic_load(&wd->enqueued)) DDPC_CHECK(ddpc_work_wait(w));
+    }
     if (atomic_load(&w->done) && w->status != DDPC_OK)
         return ddpc_error(w->status, "%s", w->msg ? w->msg : "failed");
-    NcclWorkData *wd = w->backend_data;
     if (!wd || !atomic_load(&wd->enqueued)) {
         char what[160];
         describe_work(w, what, sizeof what);
@@ -1857,11 +2036,13 @@ static void nccl_work_free(DdpcWork *w) {
     NcclWorkData *wd = w->backend_data;
     if (!wd) return;
     NcclImpl *im = w->g->impl;
-    if (wd->done) {
+    cudaEvent_t evs[2] = {wd->done, wd->ready}; /* (ready: only if never posted) */
+    for (int k = 0; k < 2; k++) {
+        if (!evs[k]) continue;
         if (im)
-            pool_put(im, wd->done);
+            pool_put(im, evs[k]);
         else
-            CUDA_LOG(cudaEventDestroy(wd->done));
+            CUDA_LOG(cudaEventDestroy(evs[k]));
     }
     free(wd);
     w->backend_data = NULL;
@@ -1902,6 +2083,8 @@ static void nccl_destroy(DdpcGroup *g) {
          * watchdog, which would have done it, is gone. */
         pthread_mutex_unlock(&im->mu);
         if (im->fast) (void)fast_check(im);
+        /* With the watchdog still running: a post stuck inside NCCL ends at its abort. */
+        poster_stop(im);
         pthread_mutex_lock(&im->mu);
         im->stop = 1;
         pthread_cond_signal(&im->cv);

@@ -207,6 +207,13 @@ typedef struct DdpcCollArgs {
     ddpc_status (*before)(void *ctx, uintptr_t comm_stream);
     ddpc_status (*after)(void *ctx, uintptr_t comm_stream);
     void *hook_ctx;
+    /* Device work only, without before/after: the post only marks the caller's stream position
+     * and queues the collective; the backend issues it from its own thread, in posting order
+     * (nccl: the posting thread, unless DDPC_NCCL_POST_THREAD=0). For a caller on the host path
+     * that feeds the GPU (the reducer's buckets during backward): the library call that launches
+     * the collective (tens of microseconds, more on the staged path) leaves that path. The
+     * buffers must stay valid until the work is done, as for any post. */
+    int defer;
 } DdpcCollArgs;
 
 const char *ddpc_coll_name(ddpc_coll op);

@@ -66,6 +66,8 @@ struct DdpcReducer {
     int nflushed;
     uint8_t *listed;      /* in flushed (each at most once: it has room for every parameter) */
     int batch;            /* copies and casts wait for their bucket (DDPC_GRAD_BATCH=0: not) */
+    int defer;            /* buckets go to the backend's posting thread (DdpcCollArgs.defer;
+                           * DDPC_NCCL_POST_THREAD=0 when the reducer is made: not) */
     int comm_casts;       /* DDPC_COMM_CASTS=1: device wire buckets cast on the communication
                            * stream (see wire_before); else on the caller's, back at finalize */
     int *seen;            /* parameters in the order they became ready */
@@ -243,6 +245,8 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
     r->nparams = nparams;
     const char *batch = getenv("DDPC_GRAD_BATCH");
     r->batch = !(batch && strcmp(batch, "0") == 0);
+    const char *post_thread = getenv("DDPC_NCCL_POST_THREAD");
+    r->defer = !(post_thread && strcmp(post_thread, "0") == 0);
     const char *comm_casts = getenv("DDPC_COMM_CASTS");
     r->comm_casts = comm_casts && strcmp(comm_casts, "1") == 0;
     size_t n = (size_t)nparams;
@@ -689,7 +693,7 @@ static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
         .op = DDPC_COLL_ALLREDUCE, .send = NULL, .recv = wire ? bk->comm_buf : bk->buf,
         .count = bk->count, .dtype = dt, .redop = DDPC_AVG, .root = 0, .device = bk->device,
         .stream = stream, .before = before ? wire_before : NULL,
-        .after = before ? unwire_after : NULL, .hook_ctx = bk,
+        .after = before ? unwire_after : NULL, .hook_ctx = bk, .defer = r->defer && !before,
     };
     st = ddpc_group_post(r->g, &a, &bk->work);
     if (st != DDPC_OK)

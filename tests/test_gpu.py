@@ -285,23 +285,34 @@ def _w_hold(rank: int, world: int, ddpc: Any, torch: Any, results: Any, go: Any)
 
 
 def _w_victim(rank: int, world: int, ddpc: Any, torch: Any, results: Any,
-              victim: int, numel: int = 1024) -> Dict[str, Any]:
+              victim: int, numel: int = 1024, wrap: bool = False) -> Dict[str, Any]:
     """Rank `victim` dies by SIGKILL after the first all-reduce of `numel` floats; the survivor's
     next collective must raise ddpc.DistributedError well within the timeout, naming what
     happened. With 16M floats (64 MiB) and NCCL_P2P_DISABLE=1 that all-reduce takes the staged
     path, whose streams wait on counters in host memory that the dead rank never writes.
-    "staged" reports the group's staged threshold (0: no staged path)."""
-    t = torch.ones(numel, device=torch.device("cuda", rank))
+    wrap=True: the survivor's next collectives are a wrapped model's gradient buckets, which
+    the posting thread issues (deferred posts), then a barrier. "staged" reports the group's
+    staged threshold (0: no staged path)."""
+    dev = torch.device("cuda", rank)
+    t = torch.ones(numel, device=dev)
     ddpc.all_reduce(t)
     torch.cuda.synchronize()
     staged = ddpc.distributed._require().group.staged_min_bytes
+    model = None
+    if wrap:
+        torch.manual_seed(0)
+        model = ddpc.wrap_model(torch.nn.Sequential(
+            *[torch.nn.Linear(512, 512) for _ in range(8)]).to(dev), bucket_cap_mb=1)
     ddpc.barrier()
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(0.5)
     t0 = time.monotonic()
     try:
-        ddpc.all_reduce(t)
+        if model is not None:
+            model(torch.randn(64, 512, device=dev)).square().mean().backward()
+        else:
+            ddpc.all_reduce(t)
         ddpc.barrier()
         torch.cuda.synchronize()
     except ddpc.DistributedError as e:
@@ -582,6 +593,18 @@ def test_killed_rank_makes_survivor_raise(victim):
     # the timeout, which would be the fallback.
     assert out["after"] < timeout / 2, out
     assert f"rank {victim}" in out["message"], out["message"]
+
+
+@needs_2
+def test_killed_rank_during_backward_makes_survivor_raise():
+    """The buckets of a backward are issued by the posting thread: a dead peer still ends the
+    survivor's step with an error naming it, not a hang."""
+    timeout = 60.0
+    res = _run_ranks(_w_victim, timeout=timeout, expect=[0], victim=1, wrap=True)
+    out = res[0]
+    assert out["raised"], "rank 0 did not raise after rank 1 died"
+    assert out["after"] < timeout / 2, out
+    assert "rank 1" in out["message"], out["message"]
 
 
 @needs_2

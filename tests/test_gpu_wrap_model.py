@@ -642,9 +642,16 @@ def run_all(device_type: str, world: int = 2, wait: float = 240.0) -> Dict[int, 
     pytest.param(2, id="2gpu", marks=pytest.mark.skipif(
         not _gpus_ready(2), reason="needs a CUDA build of ddpc, 2 visible GPUs and torch with "
                                    "CUDA")),
+    # The buckets issued by the thread that calls the hooks rather than the posting thread.
+    pytest.param((2, {"DDPC_NCCL_POST_THREAD": "0"}), id="2gpu_inline_posts",
+                 marks=pytest.mark.skipif(not _gpus_ready(2), reason="needs 2 visible GPUs")),
 ])
 def runs(request) -> Dict[int, Dict[str, Any]]:
-    return run_all("cuda", world=request.param)
+    world, env = request.param if isinstance(request.param, tuple) else (request.param, {})
+    with pytest.MonkeyPatch.context() as mp_:
+        for k, v in env.items():
+            mp_.setenv(k, v)  # inherited by the spawned ranks
+        return run_all("cuda", world=world)
 
 
 def result(runs: Dict[int, Dict[str, Any]], name: str) -> List[Any]:
