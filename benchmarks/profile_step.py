@@ -58,6 +58,34 @@ def kernels_of(trace_path):
     return ks, api
 
 
+def threads_report(trace_path, top=6):
+    """Text: per host thread that made CUDA API calls in the step (at least 5), how many, over
+    what span, how much of it inside the calls, and the calls that took the most time. The thread
+    that runs the backward (autograd's device thread) shows what a wrapper adds to it: more calls,
+    and a longer span for the same calls (host work between them, such as gradient hooks)."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    by_tid = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            by_tid.setdefault(e.get("tid"), []).append(e)
+    lines = []
+    for tid, evs in sorted(by_tid.items(), key=lambda kv: -len(kv[1])):
+        if len(evs) < 5:
+            continue
+        span = max(e["ts"] + e["dur"] for e in evs) - min(e["ts"] for e in evs)
+        inside = sum(e["dur"] for e in evs)
+        names = {}
+        for e in evs:
+            n, d = names.get(e["name"], (0, 0.0))
+            names[e["name"]] = (n + 1, d + e["dur"])
+        head = sorted(names.items(), key=lambda kv: -kv[1][1])[:top]
+        lines.append(f"  thread {tid}: {len(evs)} calls over {span / 1000:.2f} ms, "
+                     f"{inside / 1000:.2f} ms inside them; " + ", ".join(
+                         f"{n} {c}x {d / 1000:.2f}" for n, (c, d) in head))
+    return "\n".join(lines)
+
+
 def analyse(ks):
     """The split of one step's GPU time (us), from that step's kernels."""
     nccl = [(e["ts"], e["ts"] + e["dur"]) for e in ks if "nccl" in e["name"].lower()]
@@ -141,6 +169,8 @@ def worker(rank, world, port, torch_port, args, out):
             rows.append(analyse(ks))
             tail = tail_report(ks) + "\nslowest CUDA API calls (us): " + ", ".join(
                 f"{name} {dur:.0f}" for dur, name in api[:8])
+            if args.threads:
+                tail += "\nCUDA API calls by host thread (ms):\n" + threads_report(path)
         mean = {key: sum(r[key] for r in rows) / len(rows) / 1000.0 for key in rows[0]}
         results[name] = dict(mean, step_ms=sum(v.times) / len(v.times), tail=tail)
         del v
@@ -161,6 +191,9 @@ def main():
     p.add_argument("--p2p", choices=["on", "off"], default="on")
     p.add_argument("--timeline", action="store_true",
                    help="also print the last step's timeline: NCCL kernels, tail, idle gaps")
+    p.add_argument("--threads", action="store_true",
+                   help="with --timeline: also the last step's CUDA API calls by host thread "
+                        "(how many, their span, the time inside them, the costliest calls)")
     args = p.parse_args()
     if args.p2p == "off":
         os.environ["NCCL_P2P_DISABLE"] = "1"
