@@ -1513,9 +1513,14 @@ static ddpc_status nccl_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *a, uint
     }
     if (atomic_load(&g->aborted)) return aborted_error(im, "all_reduce");
     DDPC_CHECK(fast_check(im));
-    /* The deferred posts before it are issued first: it orders itself after the newest. */
-    if (im->poster_started) DDPC_CHECK(wait_posted(im, NULL));
     ddpc_status st = DDPC_OK;
+    /* The deferred posts before it are issued first: it orders itself after the newest. */
+    if (im->poster_started && (st = wait_posted(im, NULL)) != DDPC_OK) {
+        ddpc_error_prefix(st, "all_reduce #%llu on rank %d, waiting for the collectives posted "
+                          "before it: ", (unsigned long long)seq, g->rank);
+        request_abort(im, st, ddpc_last_error()); /* (its sequence number is taken) */
+        return st;
+    }
     int prev = -1;
     DDPC_CUDACHECK_GOTO(cudaGetDevice(&prev), st, fail);
     if (prev != im->device) DDPC_CUDACHECK_GOTO(cudaSetDevice(im->device), st, fail);
@@ -1930,7 +1935,15 @@ static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
     /* Deferred: issued by the posting thread. Otherwise issued here, after the deferred posts
      * before it (the work in between may have filled this one's input). */
     int defer = a->defer && im->poster_started && !a->before && !a->after && a->device >= 0;
-    if (!defer && im->poster_started) DDPC_CHECK(wait_posted(im, NULL));
+    if (!defer && im->poster_started && (st = wait_posted(im, NULL)) != DDPC_OK) {
+        /* (Ctrl-C) This rank took the sequence number but will not issue the collective: the
+         * peers must learn that it will not come. */
+        describe_work(w, what, sizeof what);
+        ddpc_error_prefix(st, "%s on rank %d, waiting for the collectives posted before it: ", what,
+                          g->rank);
+        request_abort(im, st, ddpc_last_error());
+        return st;
+    }
     int prev = -1;
     DDPC_CUDACHECK(cudaGetDevice(&prev));
     if (prev != im->device) DDPC_CUDACHECK(cudaSetDevice(im->device));
