@@ -1918,6 +1918,30 @@ static void poster_stop(NcclImpl *im) {
     im->poster_started = 0;
 }
 
+/* Puts w in the watchdog's queue and, when deferred, in the posting queue too, each holding a
+ * reference; both appends under mu, so the two queues keep the same order. */
+static void queue_work(NcclImpl *im, DdpcWork *w, int deferred) {
+    ddpc_work_retain(w);
+    if (deferred) ddpc_work_retain(w);
+    pthread_mutex_lock(&im->mu);
+    w->next = NULL;
+    if (im->tail)
+        im->tail->next = w;
+    else
+        im->head = w;
+    im->tail = w;
+    pthread_cond_signal(&im->cv);
+    if (deferred) {
+        if (im->post_tail)
+            ((NcclWorkData *)im->post_tail->backend_data)->post_next = w;
+        else
+            im->post_head = w;
+        im->post_tail = w;
+        if (im->poster_idle) pthread_cond_signal(&im->post_cv);
+    }
+    pthread_mutex_unlock(&im->mu);
+}
+
 static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
     NcclImpl *im = g->impl;
     const DdpcCollArgs *a = &w->args;
@@ -1969,23 +1993,7 @@ static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
         }
         wd->deferred = 1;
         w->backend_data = wd;
-        ddpc_work_retain(w); /* the watchdog's queue */
-        ddpc_work_retain(w); /* the posting queue */
-        pthread_mutex_lock(&im->mu);
-        w->next = NULL;
-        if (im->tail)
-            im->tail->next = w;
-        else
-            im->head = w;
-        im->tail = w;
-        pthread_cond_signal(&im->cv);
-        if (im->post_tail)
-            ((NcclWorkData *)im->post_tail->backend_data)->post_next = w;
-        else
-            im->post_head = w;
-        im->post_tail = w;
-        if (im->poster_idle) pthread_cond_signal(&im->post_cv);
-        pthread_mutex_unlock(&im->mu);
+        queue_work(im, w, 1);
         goto restore;
     }
     /* The communication stream waits for the caller's queued work (the event replaces a host
@@ -1993,16 +2001,7 @@ static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
     DDPC_CUDACHECK_GOTO(cudaEventRecord(im->ready, (cudaStream_t)a->stream), st, fail_ev);
     DDPC_CUDACHECK_GOTO(cudaStreamWaitEvent(im->stream, im->ready, 0), st, fail_ev);
     w->backend_data = wd;
-    ddpc_work_retain(w);
-    pthread_mutex_lock(&im->mu);
-    w->next = NULL;
-    if (im->tail)
-        im->tail->next = w;
-    else
-        im->head = w;
-    im->tail = w;
-    pthread_cond_signal(&im->cv);
-    pthread_mutex_unlock(&im->mu);
+    queue_work(im, w, 0);
     st = enqueue(im, w, im->ready);
     goto restore;
 
