@@ -108,8 +108,7 @@ def peak_mib(device: torch.device) -> float:
 ENV_VARS = ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO", "NCCL_IB_DISABLE",
             "NCCL_SHM_USE_CUDA_MEMCPY", "NCCL_SHM_MEMCPY_MODE", "CUDA_VISIBLE_DEVICES",
             "OMP_NUM_THREADS", "DDPC_NCCL_MIN_CTAS", "DDPC_NCCL_MAX_CTAS",
-            "DDPC_STAGED_ALLREDUCE", "DDPC_STAGED_OVERLAP", "DDPC_NCCL_POST_THREAD",
-            "DDPC_NCCL_OVERLAP_CTAS")
+            "DDPC_STAGED_ALLREDUCE", "DDPC_STAGED_OVERLAP", "DDPC_NCCL_POST_THREAD")
 
 
 def describe_env(device: torch.device) -> dict:
@@ -221,10 +220,6 @@ def _worker(rank, args, ports, results):
         os.environ["NCCL_P2P_DISABLE"] = "1"
     elif args.p2p == "on":
         os.environ.pop("NCCL_P2P_DISABLE", None)
-    if args.overlap_ctas:
-        # read when ddpc's group is made: its buckets before the last use a communicator of at
-        # most this many CTAs
-        os.environ["DDPC_NCCL_OVERLAP_CTAS"] = str(args.overlap_ctas)
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -274,13 +269,15 @@ def _worker(rank, args, ports, results):
                      Variant("ddpc bf16 inline posts",
                              lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16),
                              env=inline)]
-    if args.overlap_ctas:
-        # The same wrappers with every bucket on the group's full communicator, paired in the
-        # same run (DDPC_OVERLAP_COMM=0, read when a reducer is made).
-        full = {"DDPC_OVERLAP_COMM": "0"}
-        variants += [Variant("ddpc all CTAs", lambda m: ddpc.wrap_model(m), env=full),
-                     Variant("ddpc bf16 all CTAs",
-                             lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16), env=full)]
+    if args.hook_cost:
+        # What the hook mechanism alone costs the backward's host thread: the model without DDP
+        # on every rank (as "no DDP, every rank"), with a Python post-accumulate-grad hook on
+        # every parameter that does nothing.
+        def noop_hooks(m):
+            for p in m.parameters():
+                p.register_post_accumulate_grad_hook(lambda t: None)
+            return m
+        variants.append(Variant("no DDP, every rank, no-op hooks", noop_hooks))
     if args.comm_casts:
         # What casting a bf16 bucket to and from the wire on the communication stream, around
         # its collective, saves: the casts leave the backward's stream and the casts back leave
@@ -404,10 +401,9 @@ def main() -> int:
                     help="also run ddpc (float32 and bf16 gradients) with the buckets' "
                          "collectives issued by the thread that runs the gradient hooks "
                          "(DDPC_NCCL_POST_THREAD=0) instead of ddpc's posting thread")
-    ap.add_argument("--overlap-ctas", type=int, default=0,
-                    help="DDPC_NCCL_OVERLAP_CTAS for ddpc's group: the buckets before the last "
-                         "run on a communicator of at most this many CTAs; adds the variants "
-                         "with every bucket on the full one")
+    ap.add_argument("--hook-cost", action="store_true",
+                    help="also time the model without DDP on every rank with a no-op Python "
+                         "gradient hook on every parameter: the hook mechanism's own host cost")
     ap.add_argument("--comm-casts", action="store_true",
                     help="also run ddpc with bf16 gradients cast to and from the wire on the "
                          "communication stream around each all-reduce (DDPC_COMM_CASTS=1) "

@@ -59,7 +59,6 @@ typedef struct {
     int minCTAs;
     int maxCTAs;
     const char *netName;
-    int splitShare; /* 2.18 */
 } NcclConfig;
 #define NCCL_CONFIG_MAGIC 0xcafebeefu
 #define NCCL_CONFIG_UNDEF_INT INT_MIN
@@ -84,9 +83,6 @@ typedef struct NcclApi {
                                   ncclRedOp_t op, ncclComm_t comm, void *stream);
     const char *(*GetErrorString)(ncclResult_t result);
     const char *(*GetLastError)(ncclComm_t comm);
-    /* Optional (2.18): NULL when this NCCL lacks it. */
-    ncclResult_t (*CommSplit)(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
-                              NcclConfig *config);
 } NcclApi;
 
 static const struct {
@@ -259,8 +255,6 @@ ddpc_status ddpc_nccl_load(char *version, size_t version_len) {
         /* dlsym hands out a data pointer; POSIX guarantees it converts to the function. */
         memcpy((char *)&api + k_nccl_syms[i].offset, &sym, sizeof sym);
     }
-    void *split = dlsym(h, "ncclCommSplit");
-    if (split) memcpy(&api.CommSplit, &split, sizeof split);
     Dl_info info;
     if (api.GetVersion && dladdr((void *)api.GetVersion, &info) && info.dli_fname)
         snprintf(where, sizeof where, "%s", info.dli_fname);
@@ -372,11 +366,6 @@ typedef struct NcclImpl {
     int device;
     pthread_mutex_t comm_mu; /* serializes calls on comm with its abort; never held with mu */
     ncclComm_t comm;         /* NULL once aborted */
-    /* With DDPC_NCCL_OVERLAP_CTAS: split from comm, sharing its buffers, capped at that many
-     * CTAs; the collectives posted with DdpcCollArgs.overlap run on it, so they take fewer SMs
-     * from the compute beside them. Else NULL. Guarded like comm, aborted with it. */
-    ncclComm_t lean;
-    int lean_ctas;
     cudaStream_t stream;     /* the communication stream */
     cudaEvent_t ready;       /* marks the caller's stream position at each post (posts are
                               * serialized by g->mu, and a wait captures the event when issued) */
@@ -566,14 +555,8 @@ static void abort_all(NcclImpl *im) {
     clock_gettime(CLOCK_REALTIME, &ts);
     ts.tv_sec += 1;
     int locked = pthread_mutex_timedlock(&im->comm_mu, &ts) == 0;
-    ncclComm_t comm = im->comm, lean = im->lean;
-    im->comm = im->lean = NULL;
-    if (lean) { /* the child first: it shares the parent's resources */
-        ncclResult_t r = g_api.CommAbort(lean);
-        if (r != ncclSuccess && r != ncclInProgress)
-            DDPC_INFO("NCCL", "ncclCommAbort of the overlap communicator failed: %s",
-                      g_api.GetErrorString(r));
-    }
+    ncclComm_t comm = im->comm;
+    im->comm = NULL;
     if (comm) {
         /* Sets NCCL's abort flag, which also stops kernels spinning on a dead peer. */
         ncclResult_t r = g_api.CommAbort(comm);
@@ -702,8 +685,6 @@ static void check_health(NcclImpl *im, HeadWatch *hw) {
     /* A post holds comm_mu while it enqueues; rather than wait behind it, look next round. */
     if (pthread_mutex_trylock(&im->comm_mu) == 0) {
         if (im->comm) r = g_api.CommGetAsyncError(im->comm, &state);
-        if (im->lean && r == ncclSuccess && (state == ncclSuccess || state == ncclInProgress))
-            r = g_api.CommGetAsyncError(im->lean, &state);
         pthread_mutex_unlock(&im->comm_mu);
     }
     if (r != ncclSuccess) state = r;
@@ -937,9 +918,6 @@ typedef struct InitJob {
     int nranks, rank, device;
     int nccl_code, min_ctas, max_ctas; /* NCCL's version code; CTA bounds or UNDEF */
     ncclUniqueId id;
-    /* A split instead (ncclCommSplit of parent, sharing its resources, with max_ctas): once
-     * the caller abandons the job, the parent is the job's too, aborted after the child. */
-    ncclComm_t parent;
 } InitJob;
 
 /* Aborts a communicator nobody will use; a failure only gets a log line (it is already lost). */
@@ -971,15 +949,7 @@ static void *init_main(void *arg) {
             config.minCTAs = j->min_ctas;
             config.maxCTAs = j->max_ctas;
         }
-        if (j->parent) {
-            /* Same ranks, same order; the child uses the parent's channels and buffers (no
-             * more device memory), which is safe because both issue on one stream. */
-            config.version = 21800;
-            config.splitShare = 1;
-            r = g_api.CommSplit(j->parent, 0, j->rank, &comm, &config);
-        } else {
-            r = g_api.CommInitRankConfig(&comm, j->nranks, j->id, j->rank, &config);
-        }
+        r = g_api.CommInitRankConfig(&comm, j->nranks, j->id, j->rank, &config);
     }
     pthread_mutex_lock(&j->mu);
     j->r = r;
@@ -992,7 +962,6 @@ static void *init_main(void *arg) {
         /* The caller gave up (timeout, Ctrl-C, a dead peer) and reported it; nobody else will
          * use this communicator. */
         if (comm) abort_unused(comm);
-        if (j->parent) abort_unused(j->parent);
         init_job_free(j);
     }
     return NULL;
@@ -1015,38 +984,15 @@ static ddpc_status env_ctas(const char *name, int *out) {
     return DDPC_OK;
 }
 
-/* Creates this rank's communicator from id (parent NULL) or, with *parent, splits one from it
- * capped at split_ctas CTAs. A split abandoned on the way (timeout, Ctrl-C, a dead peer) leaves
- * *parent NULL: the helper thread, which may still be inside NCCL with it, aborts it when done. */
-/* DDPC_NCCL_OVERLAP_CTAS: the CTA cap of the communicator for collectives that run beside
- * compute (DdpcCollArgs.overlap); 0 when unset. */
-static ddpc_status env_overlap_ctas(int *out) {
-    *out = 0;
-    int n = NCCL_CONFIG_UNDEF_INT;
-    DDPC_CHECK(env_ctas("DDPC_NCCL_OVERLAP_CTAS", &n));
-    if (n == NCCL_CONFIG_UNDEF_INT) return DDPC_OK;
-    if (g_code < 21800 || !g_api.CommSplit)
-        return ddpc_error(DDPC_ERR_INVALID, "DDPC_NCCL_OVERLAP_CTAS needs ncclCommSplit (NCCL 2.18 "
-                          "or newer); this one is %s: unset it or install a newer NCCL",
-                          g_version);
-    *out = n;
-    return DDPC_OK;
-}
-
-static ddpc_status init_comm(DdpcGroup *g, const ncclUniqueId *id, ncclComm_t *parent,
-                             int split_ctas, int64_t deadline, ncclComm_t *out) {
+static ddpc_status init_comm(DdpcGroup *g, const ncclUniqueId *id, int64_t deadline,
+                             ncclComm_t *out) {
     *out = NULL;
     if (setenv("NCCL_RUNTIME_CONNECT", "0", 0) != 0)
         return ddpc_error(DDPC_ERR_SYSTEM, "setenv(NCCL_RUNTIME_CONNECT) failed: %s",
                           strerror(errno));
     int min_ctas = NCCL_CONFIG_UNDEF_INT, max_ctas = NCCL_CONFIG_UNDEF_INT;
-    if (parent) {
-        min_ctas = 1;
-        max_ctas = split_ctas;
-    } else {
-        DDPC_CHECK(env_ctas("DDPC_NCCL_MIN_CTAS", &min_ctas));
-        DDPC_CHECK(env_ctas("DDPC_NCCL_MAX_CTAS", &max_ctas));
-    }
+    DDPC_CHECK(env_ctas("DDPC_NCCL_MIN_CTAS", &min_ctas));
+    DDPC_CHECK(env_ctas("DDPC_NCCL_MAX_CTAS", &max_ctas));
     /* NCCL takes the bounds as a pair: the one left unset gets NCCL's own limit. */
     if (min_ctas != NCCL_CONFIG_UNDEF_INT && max_ctas == NCCL_CONFIG_UNDEF_INT) max_ctas = 64;
     if (max_ctas != NCCL_CONFIG_UNDEF_INT && min_ctas == NCCL_CONFIG_UNDEF_INT) min_ctas = 1;
@@ -1062,8 +1008,7 @@ static ddpc_status init_comm(DdpcGroup *g, const ncclUniqueId *id, ncclComm_t *p
     j->nranks = g->world;
     j->rank = g->rank;
     j->device = g->cuda_device;
-    if (parent) j->parent = *parent;
-    else memcpy(&j->id, id, sizeof j->id);
+    memcpy(&j->id, id, sizeof j->id);
     pthread_t th;
     pthread_attr_t attr;
     int rc = pthread_attr_init(&attr);
@@ -1083,15 +1028,12 @@ static ddpc_status init_comm(DdpcGroup *g, const ncclUniqueId *id, ncclComm_t *p
         pthread_mutex_unlock(&j->mu);
         if (done) break;
         ddpc_status st = init_check(g, deadline, &next_store_check,
-                                    parent ? "splitting the NCCL communicator for "
-                                             "DDPC_NCCL_OVERLAP_CTAS"
-                                           : "creating the NCCL communicator");
+                                    "creating the NCCL communicator");
         if (st != DDPC_OK) {
             pthread_mutex_lock(&j->mu);
             if (!j->done) {
                 j->abandoned = 1; /* the thread frees the job and aborts what it gets */
                 pthread_mutex_unlock(&j->mu);
-                if (parent) *parent = NULL;
                 return st;
             }
             pthread_mutex_unlock(&j->mu);
@@ -1109,9 +1051,9 @@ static ddpc_status init_comm(DdpcGroup *g, const ncclUniqueId *id, ncclComm_t *p
     if (ce != cudaSuccess)
         return ddpc_error(DDPC_ERR_CUDA, "cudaSetDevice(%d) on the NCCL init thread failed: %s",
                           g->cuda_device, cudaGetErrorString(ce));
-    const char *call = parent ? "ncclCommSplit" : "ncclCommInitRankConfig";
-    NCCLCHECK(call, r);
-    if (!*out) return ddpc_error(DDPC_ERR_NCCL, "%s returned no communicator", call);
+    NCCLCHECK("ncclCommInitRankConfig", r);
+    if (!*out)
+        return ddpc_error(DDPC_ERR_NCCL, "ncclCommInitRankConfig returned no communicator");
     return DDPC_OK;
 }
 
@@ -1691,11 +1633,7 @@ static ddpc_status nccl_init(DdpcGroup *g) {
 
     ncclUniqueId id;
     DDPC_CHECK_GOTO(exchange_id(g, deadline, &id), st, fail);
-    DDPC_CHECK_GOTO(init_comm(g, &id, NULL, 0, deadline, &im->comm), st, fail);
-    DDPC_CHECK_GOTO(env_overlap_ctas(&im->lean_ctas), st, fail);
-    if (im->lean_ctas)
-        DDPC_CHECK_GOTO(init_comm(g, NULL, &im->comm, im->lean_ctas, deadline, &im->lean), st,
-                        fail);
+    DDPC_CHECK_GOTO(init_comm(g, &id, deadline, &im->comm), st, fail);
     DDPC_CHECK_GOTO(fast_setup(im, deadline), st, fail);
     DDPC_CHECK_GOTO(staged_setup(im, deadline), st, fail);
 
@@ -1721,15 +1659,10 @@ static ddpc_status nccl_init(DdpcGroup *g) {
     snprintf(g->transport, sizeof g->transport, "nccl");
     DDPC_INFO("NCCL", "rank %d/%d ready on cuda:%d with NCCL %s", g->rank, g->world, im->device,
               version);
-    if (im->lean)
-        DDPC_INFO("NCCL", "rank %d: collectives posted to overlap compute (the gradient buckets "
-                  "before the last) run on a communicator of at most %d CTAs",
-                  g->rank, im->lean_ctas);
     return DDPC_OK;
 
 fail:
     if (im) {
-        if (im->lean) abort_unused(im->lean);
         if (im->comm) {
             r = g_api.CommAbort(im->comm);
             if (r != ncclSuccess && r != ncclInProgress)
@@ -1754,25 +1687,21 @@ static ncclResult_t issue(NcclImpl *im, const DdpcCollArgs *a, const char **name
         *name = "ncclAllReduce (barrier)";
         return g_api.AllReduce(im->scratch, im->scratch, 1, ncclInt32, ncclSum, im->comm, s);
     }
-    /* Every rank marks the same collectives (the reducer's bucket order), so the peers issue
-     * each on the same communicator; both run on this stream, in posting order. */
-    ncclComm_t comm = a->overlap && im->lean ? im->lean : im->comm;
-    if (comm == im->lean) atomic_fetch_add(&im->g->n_overlap, 1);
     ncclDataType_t dt = k_nccl_dtype[a->dtype];
     switch (a->op) {
     case DDPC_COLL_ALLREDUCE:
         *name = "ncclAllReduce";
-        return g_api.AllReduce(a->recv, a->recv, a->count, dt, k_nccl_redop[a->redop], comm, s);
+        return g_api.AllReduce(a->recv, a->recv, a->count, dt, k_nccl_redop[a->redop], im->comm, s);
     case DDPC_COLL_BROADCAST:
         *name = "ncclBroadcast";
-        return g_api.Broadcast(a->recv, a->recv, a->count, dt, a->root, comm, s);
+        return g_api.Broadcast(a->recv, a->recv, a->count, dt, a->root, im->comm, s);
     case DDPC_COLL_ALLGATHER:
         *name = "ncclAllGather";
-        return g_api.AllGather(a->send, a->recv, a->count, dt, comm, s);
+        return g_api.AllGather(a->send, a->recv, a->count, dt, im->comm, s);
     case DDPC_COLL_REDUCE_SCATTER:
         *name = "ncclReduceScatter";
         return g_api.ReduceScatter(a->send, a->recv, a->count, dt, k_nccl_redop[a->redop],
-                                   comm, s);
+                                   im->comm, s);
     default: break;
     }
     *name = "an unknown collective";
@@ -2182,10 +2111,9 @@ static void nccl_destroy(DdpcGroup *g) {
     im->head = im->tail = NULL;
     pthread_mutex_unlock(&im->mu);
     pthread_mutex_lock(&im->comm_mu);
-    ncclComm_t comm = im->comm, lean = im->lean;
-    im->comm = im->lean = NULL;
+    ncclComm_t comm = im->comm;
+    im->comm = NULL;
     pthread_mutex_unlock(&im->comm_mu);
-    if (lean) close_comm(im, lean); /* before the parent, whose resources it shares */
     if (comm) {
         if (list || atomic_load(&g->aborted)) {
             ncclResult_t r = g_api.CommAbort(comm);

@@ -214,12 +214,6 @@ typedef struct DdpcCollArgs {
      * the collective (tens of microseconds, more on the staged path) leaves that path. The
      * buffers must stay valid until the work is done, as for any post. */
     int defer;
-    /* The collective runs beside compute that it should slow as little as possible, and has
-     * time to spare (the reducer's buckets that backward's kernels still follow). nccl: with
-     * DDPC_NCCL_OVERLAP_CTAS=N it runs on a communicator split from the group's, sharing its
-     * buffers, that uses at most N CTAs (SMs); otherwise ignored. Every rank must set it alike
-     * for a given collective. */
-    int overlap;
 } DdpcCollArgs;
 
 const char *ddpc_coll_name(ddpc_coll op);
@@ -248,9 +242,9 @@ ddpc_status ddpc_group_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *args, in
 size_t ddpc_group_fast_max_bytes(const DdpcGroup *g);
 /* The smallest all-reduce that takes the nccl backend's staged copy-engine path (0: none). */
 size_t ddpc_group_staged_min_bytes(const DdpcGroup *g);
-/* How many collectives so far a backend thread issued for their caller (DdpcCollArgs.defer), and
- * how many ran on the communicator for DdpcCollArgs.overlap; both 0 on the cpu backend. */
-void ddpc_group_issue_counts(DdpcGroup *g, uint64_t *deferred, uint64_t *overlap);
+/* How many collectives so far a backend thread issued for their caller (DdpcCollArgs.defer);
+ * 0 on the cpu backend, which has no such thread. */
+uint64_t ddpc_group_deferred_count(DdpcGroup *g);
 /* Blocks (interruptibly, in slices) until the work is done or its deadline passes. For device
  * work this waits for the host side only when host is set; otherwise see ddpc_work_wait_stream. */
 ddpc_status ddpc_work_wait(DdpcWork *w);

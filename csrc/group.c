@@ -287,11 +287,7 @@ ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **o
 
 size_t ddpc_group_fast_max_bytes(const DdpcGroup *g) { return g->fast_max_bytes; }
 size_t ddpc_group_staged_min_bytes(const DdpcGroup *g) { return g->staged_min_bytes; }
-
-void ddpc_group_issue_counts(DdpcGroup *g, uint64_t *deferred, uint64_t *overlap) {
-    *deferred = atomic_load(&g->n_deferred);
-    *overlap = atomic_load(&g->n_overlap);
-}
+uint64_t ddpc_group_deferred_count(DdpcGroup *g) { return atomic_load(&g->n_deferred); }
 
 ddpc_status ddpc_group_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *args, int *ran) {
     *ran = 0;

@@ -55,9 +55,7 @@ struct DdpcGroup {
     char transport[16];     /* set by the backend's init: "shm", "tcp", "nccl" */
     size_t fast_max_bytes;  /* set by the backend's init: all_reduce_now's limit (0: none) */
     size_t staged_min_bytes;/* nccl: all-reduces from this size use the staged path (0: none) */
-    /* nccl, counted as they are issued: works the posting thread issued, and collectives that
-     * ran on the overlap communicator (ddpc_group_issue_counts) */
-    atomic_ullong n_deferred, n_overlap;
+    atomic_ullong n_deferred; /* nccl: works the posting thread issued (ddpc_group_deferred_count) */
     const DdpcBackendOps *ops;
     void *impl;
     pthread_mutex_t mu;     /* guards next_seq */

@@ -611,13 +611,10 @@ static PyObject *Group_get_staged_min_bytes(GroupObject *self, void *c) {
     return group_ready(self) ? PyLong_FromSize_t(ddpc_group_staged_min_bytes(self->g)) : NULL;
 }
 
-static PyObject *Group_get_issue_counts(GroupObject *self, void *c) {
+static PyObject *Group_get_deferred_count(GroupObject *self, void *c) {
     (void)c;
     if (!group_ready(self)) return NULL;
-    uint64_t deferred = 0, overlap = 0;
-    ddpc_group_issue_counts(self->g, &deferred, &overlap);
-    return Py_BuildValue("{sKsK}", "deferred", (unsigned long long)deferred, "overlap_comm",
-                         (unsigned long long)overlap);
+    return PyLong_FromUnsignedLongLong(ddpc_group_deferred_count(self->g));
 }
 
 static PyGetSetDef Group_getset[] = {
@@ -631,9 +628,9 @@ static PyGetSetDef Group_getset[] = {
     {"staged_min_bytes", (getter)Group_get_staged_min_bytes, NULL,
      "smallest all_reduce that goes through pinned host memory on the copy engines (bytes; 0: "
      "none)", NULL},
-    {"issue_counts", (getter)Group_get_issue_counts, NULL,
-     "collectives issued so far by the backend's posting thread (deferred) and on the overlap "
-     "communicator (overlap_comm, DDPC_NCCL_OVERLAP_CTAS)", NULL},
+    {"deferred_count", (getter)Group_get_deferred_count, NULL,
+     "collectives issued so far by the backend's posting thread for their callers (the "
+     "gradient buckets of wrap_model; 0 on the cpu backend)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -68,8 +68,6 @@ struct DdpcReducer {
     int batch;            /* copies and casts wait for their bucket (DDPC_GRAD_BATCH=0: not) */
     int defer;            /* buckets go to the backend's posting thread (DdpcCollArgs.defer;
                            * DDPC_NCCL_POST_THREAD=0 when the reducer is made: not) */
-    int overlap;          /* buckets before the last are DdpcCollArgs.overlap (DDPC_OVERLAP_COMM=0
-                           * when the reducer is made: none) */
     int comm_casts;       /* DDPC_COMM_CASTS=1: device wire buckets cast on the communication
                            * stream (see wire_before); else on the caller's, back at finalize */
     int *seen;            /* parameters in the order they became ready */
@@ -249,8 +247,6 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
     r->batch = !(batch && strcmp(batch, "0") == 0);
     const char *post_thread = getenv("DDPC_NCCL_POST_THREAD");
     r->defer = !(post_thread && strcmp(post_thread, "0") == 0);
-    const char *overlap = getenv("DDPC_OVERLAP_COMM");
-    r->overlap = !(overlap && strcmp(overlap, "0") == 0);
     const char *comm_casts = getenv("DDPC_COMM_CASTS");
     r->comm_casts = comm_casts && strcmp(comm_casts, "1") == 0;
     size_t n = (size_t)nparams;
@@ -698,9 +694,6 @@ static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
         .count = bk->count, .dtype = dt, .redop = DDPC_AVG, .root = 0, .device = bk->device,
         .stream = stream, .before = before ? wire_before : NULL,
         .after = before ? unwire_after : NULL, .hook_ctx = bk, .defer = r->defer && !before,
-        /* Backward's kernels still follow every bucket but the last, which the optimizer
-         * waits for: that one gets every CTA. */
-        .overlap = r->overlap && b + 1 < r->nbuckets,
     };
     st = ddpc_group_post(r->g, &a, &bk->work);
     if (st != DDPC_OK)

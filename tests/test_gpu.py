@@ -596,40 +596,15 @@ def test_killed_rank_makes_survivor_raise(victim):
 
 
 @needs_2
-@pytest.mark.parametrize("env", [{}, {"DDPC_NCCL_OVERLAP_CTAS": "2"}],
-                         ids=["one_comm", "overlap_comm"])
-def test_killed_rank_during_backward_makes_survivor_raise(monkeypatch, env):
-    """The buckets of a backward are issued by the posting thread, all but the last on the
-    overlap communicator when there is one: a dead peer still ends the survivor's step with an
-    error naming it, not a hang."""
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)  # inherited by the spawned ranks
+def test_killed_rank_during_backward_makes_survivor_raise():
+    """The buckets of a backward are issued by the posting thread: a dead peer still ends the
+    survivor's step with an error naming it, not a hang."""
     timeout = 60.0
     res = _run_ranks(_w_victim, timeout=timeout, expect=[0], victim=1, wrap=True)
     out = res[0]
     assert out["raised"], "rank 0 did not raise after rank 1 died"
     assert out["after"] < timeout / 2, out
     assert "rank 1" in out["message"], out["message"]
-
-
-@needs_1
-@pytest.mark.parametrize("value", ["lots", "0", "65"])
-def test_bad_overlap_ctas_is_explained(value):
-    url = f"tcp://127.0.0.1:{free_port()}"
-    code = ("import ddpc\n"
-            "try:\n"
-            f"    ddpc.init_process_group(backend='nccl', init_method='{url}', rank=0,"
-            " world_size=1, timeout=30)\n"
-            "except Exception as e:\n"
-            "    print('raised', type(e).__name__, e)\n"
-            "else:\n"
-            "    print('no error')\n")
-    env = dict(os.environ, DDPC_NCCL_OVERLAP_CTAS=value, DDPC_TOKEN=TOKEN)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=120)
-    assert f"DDPC_NCCL_OVERLAP_CTAS={value} is not a number of CTAs from 1 to 64" in r.stdout, \
-        (r.stdout, r.stderr)
-    assert r.stdout.startswith("raised"), r.stdout
 
 
 @needs_2
