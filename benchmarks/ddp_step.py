@@ -300,7 +300,8 @@ def _worker(rank, args, ports, results):
                                 lambda m, cap=cap: ddpc.wrap_model(m, bucket_cap_mb=cap,
                                                                    grad_dtype=torch.bfloat16)))
     if args.variants:
-        keep = [k.strip() for k in args.variants.split(",")]
+        # (";" separates names when one has a comma: "no DDP, every rank")
+        keep = [k.strip() for k in args.variants.split(";" if ";" in args.variants else ",")]
         unknown = [k for k in keep if not any(v.name == k for v in variants)]
         if unknown:
             raise SystemExit(f"--variants: unknown {unknown}; choose from "
@@ -386,7 +387,8 @@ def main() -> int:
                     help="cuda: off sets NCCL_P2P_DISABLE=1, on unsets it (default: inherited)")
     ap.add_argument("--json", default="", help="also write the results to this file")
     ap.add_argument("--variants", default="",
-                    help="comma-separated variant names to run (default: all)")
+                    help="variant names to run, separated by commas, or by semicolons when a "
+                         "name has a comma (default: all)")
     ap.add_argument("--extra-caps", type=float, nargs="*", default=[],
                     help="also run ddpc (float32 and bfloat16 gradients) with these "
                          "bucket_cap_mb values")

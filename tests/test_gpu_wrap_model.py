@@ -588,9 +588,19 @@ def _worker(rank: int, world: int, ports: Tuple[int, int], device_type: str,
         except BaseException:  # reported by the test of that scenario
             out[name] = ("error", traceback.format_exc())
         out[name + "_s"] = time.monotonic() - t0
-    # Who issued the buckets of all those steps, with the setting that decides it.
-    out["issued"] = ("ok", {"deferred": ddpc.distributed._require().group.deferred_count,
-                            "post_thread": os.environ.get("DDPC_NCCL_POST_THREAD")})
+    # Who issued the buckets of all those steps, with the setting that decides it; the bucket
+    # size a wrapper gets by default.
+    try:
+        from ddpc.parallel import default_bucket_cap_mb
+        group = ddpc.distributed._require().group
+        out["issued"] = ("ok", {
+            "deferred": group.deferred_count,
+            "post_thread": os.environ.get("DDPC_NCCL_POST_THREAD"),
+            "default_cap_mb": default_bucket_cap_mb(group),
+            "default_cap_bytes": ddpc.wrap_model(torch.nn.Linear(4, 4).to(dev))._cap_bytes,
+            "direct": group.fast_max_bytes > 0 and group.staged_min_bytes == 0})
+    except BaseException:
+        out["issued"] = ("error", traceback.format_exc())
     results.put((rank, out))
     tdist.destroy_process_group()
     ddpc.destroy_process_group()
@@ -815,12 +825,17 @@ def test_forward_and_backward_on_a_side_stream(runs):
 
 
 
-def test_buckets_issued_by_the_posting_thread_unless_turned_off(runs):
+def test_buckets_issued_by_the_posting_thread_and_default_bucket_size(runs):
     for rank, r in enumerate(result(runs, "issued")):
         if r["post_thread"] == "0":
             assert r["deferred"] == 0, (rank, r)
         else:
             assert r["deferred"] > 0, (rank, r)
+        # the default buckets: 100 MiB where the GPUs reach each other directly (P2P on and
+        # mapped, as on the 2-GPU NVLink machine the suite runs on), else torch DDP's 25
+        want = 100.0 if len(runs) > 1 and r["direct"] else 25.0
+        assert r["default_cap_mb"] == want and r["default_cap_bytes"] == int(want) << 20, \
+            (rank, r)
 
 
 if __name__ == "__main__":

@@ -889,6 +889,17 @@ def test_bad_arguments_are_named(world_one, kwargs, error, message):
         world_one.wrap_model(torch.nn.Linear(2, 2), **kwargs)
 
 
+def test_default_bucket_cap_follows_the_group(world_one):
+    """bucket_cap_mb=None: torch DDP's 25 MiB on the cpu backend (100 only where GPUs reach each
+    other directly, which the GPU tests check)."""
+    from ddpc import parallel
+    g = world_one.distributed._default_group()
+    assert parallel.default_bucket_cap_mb(g) == 25.0
+    assert world_one.wrap_model(torch.nn.Linear(2, 2))._cap_bytes == 25 << 20
+    assert world_one.wrap_model(torch.nn.Linear(2, 2), bucket_cap_mb=None)._cap_bytes == 25 << 20
+    assert world_one.wrap_model(torch.nn.Linear(2, 2), bucket_cap_mb=3)._cap_bytes == 3 << 20
+
+
 def test_bad_modules_are_named(world_one):
     with pytest.raises(TypeError, match="module must be a torch.nn.Module, got str"):
         world_one.wrap_model("net")
