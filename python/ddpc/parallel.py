@@ -942,8 +942,8 @@ def wrap_model(module: torch.nn.Module, *, bucket_cap_mb: Optional[float] = None
 
     bucket_cap_mb: size of the gradient buckets reduced while backward runs (the first holds at
     most 1 MiB, so communication starts early). None: 100 MiB where the GPUs reach each other
-    directly (NVLink or PCIe P2P), where fewer, larger buckets measured faster, else 25 (torch
-    DDP's default); ddpc.parallel.default_bucket_cap_mb(group) says which.
+    directly (NVLink or PCIe P2P; fewer, larger buckets measured faster over NVLink), else 25
+    (torch DDP's default); ddpc.parallel.default_bucket_cap_mb(group) says which.
     broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank at each
     forward that runs with autograd on.
     grad_dtype: torch.bfloat16 or torch.float16 to reduce gradients in that dtype (half the
