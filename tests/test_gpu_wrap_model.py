@@ -824,7 +824,6 @@ def test_forward_and_backward_on_a_side_stream(runs):
     check_side_stream(runs)
 
 
-
 def test_buckets_issued_by_the_posting_thread_and_default_bucket_size(runs):
     for rank, r in enumerate(result(runs, "issued")):
         if r["post_thread"] == "0":
@@ -832,7 +831,8 @@ def test_buckets_issued_by_the_posting_thread_and_default_bucket_size(runs):
         else:
             assert r["deferred"] > 0, (rank, r)
         # the default buckets: 100 MiB where the GPUs reach each other directly (P2P on and
-        # mapped, as on the 2-GPU NVLink machine the suite runs on), else torch DDP's 25
+        # mapped: test_gpu.py's test_fast_small_all_reduce requires it of 2 GPUs), else torch
+        # DDP's 25
         want = 100.0 if len(runs) > 1 and r["direct"] else 25.0
         assert r["default_cap_mb"] == want and r["default_cap_bytes"] == int(want) << 20, \
             (rank, r)
