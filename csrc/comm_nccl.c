@@ -426,6 +426,7 @@ static void fast_free(NcclImpl *im, int region_shared);
 static void fast_watch(NcclImpl *im);
 static void *poster_main(void *arg);
 static ddpc_status wait_posted(NcclImpl *im, DdpcWork *w);
+static ddpc_status drain_posted(NcclImpl *im, const DdpcWork *w, uint64_t seq);
 
 static void sleep_us(unsigned us) {
     struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)us * 1000L};
@@ -1515,12 +1516,7 @@ static ddpc_status nccl_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *a, uint
     DDPC_CHECK(fast_check(im));
     ddpc_status st = DDPC_OK;
     /* The deferred posts before it are issued first: it orders itself after the newest. */
-    if (im->poster_started && (st = wait_posted(im, NULL)) != DDPC_OK) {
-        ddpc_error_prefix(st, "all_reduce #%llu on rank %d, waiting for the collectives posted "
-                          "before it: ", (unsigned long long)seq, g->rank);
-        request_abort(im, st, ddpc_last_error()); /* (its sequence number is taken) */
-        return st;
-    }
+    DDPC_CHECK(drain_posted(im, NULL, seq));
     int prev = -1;
     DDPC_CUDACHECK_GOTO(cudaGetDevice(&prev), st, fail);
     if (prev != im->device) DDPC_CUDACHECK_GOTO(cudaSetDevice(im->device), st, fail);
@@ -1848,6 +1844,26 @@ static ddpc_status wait_posted(NcclImpl *im, DdpcWork *w) {
     return DDPC_OK;
 }
 
+/* For a collective issued on the caller's thread (the work w, or with w NULL the one-shot
+ * all-reduce #seq), whose sequence number is taken: waits until the deferred posts before it are
+ * issued. Interrupted (Ctrl-C), this rank will not issue it, so the group is aborted: the peers
+ * must learn that it will not come. */
+static ddpc_status drain_posted(NcclImpl *im, const DdpcWork *w, uint64_t seq) {
+    if (!im->poster_started) return DDPC_OK;
+    ddpc_status st = wait_posted(im, NULL);
+    if (st != DDPC_OK) {
+        char what[160]; /* described only on a failure: posts are on the training step's path */
+        if (w)
+            describe_work(w, what, sizeof what);
+        else
+            snprintf(what, sizeof what, "all_reduce #%llu", (unsigned long long)seq);
+        ddpc_error_prefix(st, "%s on rank %d, waiting for the collectives posted before it: ", what,
+                          im->g->rank);
+        request_abort(im, st, ddpc_last_error());
+    }
+    return st;
+}
+
 /* Issues one deferred post: the communication stream waits for the caller's position, then the
  * collective goes there (enqueue). A work already failed (the group was aborted after it was
  * posted) is not issued. A failure requests the abort, which fails the work. */
@@ -1959,15 +1975,7 @@ static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
     /* Deferred: issued by the posting thread. Otherwise issued here, after the deferred posts
      * before it (the work in between may have filled this one's input). */
     int defer = a->defer && im->poster_started && !a->before && !a->after && a->device >= 0;
-    if (!defer && im->poster_started && (st = wait_posted(im, NULL)) != DDPC_OK) {
-        /* (Ctrl-C) This rank took the sequence number but will not issue the collective: the
-         * peers must learn that it will not come. */
-        describe_work(w, what, sizeof what);
-        ddpc_error_prefix(st, "%s on rank %d, waiting for the collectives posted before it: ", what,
-                          g->rank);
-        request_abort(im, st, ddpc_last_error());
-        return st;
-    }
+    if (!defer) DDPC_CHECK(drain_posted(im, w, 0));
     int prev = -1;
     DDPC_CUDACHECK(cudaGetDevice(&prev));
     if (prev != im->device) DDPC_CUDACHECK(cudaSetDevice(im->device));
