@@ -132,7 +132,9 @@ class Variant:
         self.name, self.wrap, self.single = name, wrap, single
         self.env = env or {}  # environment while the model is wrapped and warmed up
         self.times = []
-        self.phases = []  # per timed step: host ms and GPU ms of forward, backward, optimizer
+        self.phases = []  # per timed step: host ms and GPU ms of forward, backward, optimizer,
+        # and for ddpc the GPU backward split where its end of backward begins (see _build)
+        self._end_ev = None
         self.mem = float("nan")
 
     def build(self, cfg, args, device, rank) -> None:
@@ -162,6 +164,18 @@ class Variant:
 
     def _build(self, model, args, device, rank, cfg) -> None:
         self.model = self.wrap(model)
+        if device.type == "cuda" and hasattr(self.model, "_finalize_on_device"):
+            # An event on the stream backward ran on, where ddpc's end of backward begins: before
+            # it, the backward's kernels (with the gradient copies or casts, beside the
+            # collectives already running); after it, what the step waits for at the end (the
+            # last collectives, and the casts back of bf16 gradients).
+            finalize = self.model._finalize_on_device
+
+            def marked_finalize() -> None:
+                if self._end_ev is not None:
+                    self._end_ev.record()
+                finalize()
+            self.model._finalize_on_device = marked_finalize
         fused = {"fused": True} if device.type == "cuda" else {}
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1, **fused)
         self.gen = torch.Generator().manual_seed(1234 + rank)
@@ -178,6 +192,8 @@ class Variant:
         if cuda:
             torch.cuda.synchronize()
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            if hasattr(self.model, "_finalize_on_device"):
+                self._end_ev = torch.cuda.Event(enable_timing=True)
         marks = []
 
         def mark() -> None:
@@ -201,7 +217,11 @@ class Variant:
             self.times.append((time.perf_counter() - marks[0]) * 1e3)
             host = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
             gpu = [a.elapsed_time(b) for a, b in zip(ev, ev[1:])] if cuda else [0.0] * 3
-            self.phases.append(host + gpu)
+            split = [math.nan, math.nan]
+            if cuda and self._end_ev is not None:
+                split = [ev[1].elapsed_time(self._end_ev), self._end_ev.elapsed_time(ev[2])]
+            self.phases.append(host + gpu + split)
+        self._end_ev = None
         if not math.isfinite(loss.item()):
             raise RuntimeError(f"{self.name}: the loss is {loss.item()}")
 
@@ -300,8 +320,12 @@ def _worker(rank, args, ports, results):
                                 lambda m, cap=cap: ddpc.wrap_model(m, bucket_cap_mb=cap,
                                                                    grad_dtype=torch.bfloat16)))
     if args.variants:
-        # (";" separates names when one has a comma: "no DDP, every rank")
-        keep = [k.strip() for k in args.variants.split(";" if ";" in args.variants else ",")]
+        # (";" separates names when one has a comma: "no DDP, every rank"; a whole name alone
+        # is taken as it is)
+        names = {v.name for v in variants}
+        keep = ([args.variants.strip()] if args.variants.strip() in names else
+                [k.strip() for k in args.variants.split(";" if ";" in args.variants else ",")
+                 if k.strip()])
         unknown = [k for k in keep if not any(v.name == k for v in variants)]
         if unknown:
             raise SystemExit(f"--variants: unknown {unknown}; choose from "
@@ -336,7 +360,8 @@ def _worker(rank, args, ports, results):
             name, ms, mem = (v.name, max(g[k][1] for g in gathered),
                              max(g[k][2] for g in gathered))
             times = [max(g[k][3][j] for g in gathered) for j in range(len(v.times))]
-            phases = [max(g[k][4][j] for g in gathered) for j in range(6)] if v.phases else None
+            phases = ([max(g[k][4][j] for g in gathered) for j in range(len(v.phases[0]))]
+                      if v.phases else None)
         # Per round: the mean of its steps (the slowest rank's), for ratios between variants
         # timed minutes apart at most, which drift on a shared machine affects less.
         rounds = [statistics.fmean(times[j:j + per_round])
@@ -388,7 +413,7 @@ def main() -> int:
     ap.add_argument("--json", default="", help="also write the results to this file")
     ap.add_argument("--variants", default="",
                     help="variant names to run, separated by commas, or by semicolons when a "
-                         "name has a comma (default: all)")
+                         "name has a comma; one whole name is taken as it is (default: all)")
     ap.add_argument("--extra-caps", type=float, nargs="*", default=[],
                     help="also run ddpc (float32 and bfloat16 gradients) with these "
                          "bucket_cap_mb values")
@@ -499,17 +524,22 @@ def main() -> int:
         # Where each variant's step goes: host time between the marks (forward+loss issued,
         # backward returned, optimizer step + zero_grad issued), and GPU time between events
         # recorded at the same marks (a GPU phase includes the GPU's idle time waiting for the
-        # host's launches, and for backward the wait for the last all-reduce).
+        # host's launches, and for backward the wait for the last all-reduce). For ddpc, the
+        # GPU backward in two: up to where its end of backward begins on the stream (the
+        # backward's kernels and the gradients' copies or casts, beside the collectives already
+        # running), and from there (the wait for the last collectives, the casts back).
         print(f"{'phases, median ms':32s} {'host fwd':>9s} {'bwd':>6s} {'opt':>6s}   "
-              f"{'GPU fwd':>8s} {'bwd':>6s} {'opt':>6s}")
+              f"{'GPU fwd':>8s} {'bwd':>6s} {'opt':>6s}   {'bwd: to end':>11s} {'end':>6s}")
         for name, _, _, _, ph in rows:
             if ph:
+                split = ("" if math.isnan(ph[6]) else f"   {ph[6]:11.2f} {ph[7]:6.2f}")
                 print(f"{name:32s} {ph[0]:9.2f} {ph[1]:6.2f} {ph[2]:6.2f}   {ph[3]:8.2f} "
-                      f"{ph[4]:6.2f} {ph[5]:6.2f}")
+                      f"{ph[4]:6.2f} {ph[5]:6.2f}{split}")
         for r in out_rows:
             ph = next(p for n, _, _, _, p in rows if n == r["variant"])
             r["phases_ms"] = dict(zip(["host_fwd", "host_bwd", "host_opt", "gpu_fwd", "gpu_bwd",
-                                       "gpu_opt"], ph)) if ph else None
+                                       "gpu_opt", "gpu_bwd_to_end", "gpu_bwd_end"],
+                                      [None if math.isnan(x) else x for x in ph])) if ph else None
     if wrapper_ms:
         # Inside ddpc's share of the host phases above (rank 0, mean per timed step): the
         # wrapper's forward work; all of its gradient hooks, of which giving buckets their wire
