@@ -598,6 +598,8 @@ def _worker(rank: int, world: int, ports: Tuple[int, int], device_type: str,
             "post_thread": os.environ.get("DDPC_NCCL_POST_THREAD"),
             "default_cap_mb": default_bucket_cap_mb(group),
             "default_cap_bytes": ddpc.wrap_model(torch.nn.Linear(4, 4).to(dev))._cap_bytes,
+            "default_bf16_cap_bytes": ddpc.wrap_model(torch.nn.Linear(4, 4).to(dev),
+                                                      grad_dtype=torch.bfloat16)._cap_bytes,
             "direct": group.fast_max_bytes > 0 and group.staged_min_bytes == 0})
     except BaseException:
         out["issued"] = ("error", traceback.format_exc())
@@ -832,10 +834,12 @@ def test_buckets_issued_by_the_posting_thread_and_default_bucket_size(runs):
             assert r["deferred"] > 0, (rank, r)
         # the default buckets: 100 MiB where the GPUs reach each other directly (P2P on and
         # mapped: test_gpu.py's test_fast_small_all_reduce requires it of 2 GPUs), else torch
-        # DDP's 25
-        want = 100.0 if len(runs) > 1 and r["direct"] else 25.0
+        # DDP's 25; with bf16 gradients there, twice that (the same bytes per collective)
+        direct = len(runs) > 1 and r["direct"]
+        want = 100.0 if direct else 25.0
         assert r["default_cap_mb"] == want and r["default_cap_bytes"] == int(want) << 20, \
             (rank, r)
+        assert r["default_bf16_cap_bytes"] == (200 << 20 if direct else 25 << 20), (rank, r)
 
 
 if __name__ == "__main__":

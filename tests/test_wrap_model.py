@@ -895,7 +895,10 @@ def test_default_bucket_cap_follows_the_group(world_one):
     from ddpc import parallel
     g = world_one.distributed._default_group()
     assert parallel.default_bucket_cap_mb(g) == 25.0
+    assert parallel.default_bucket_cap_mb(g, torch.bfloat16) == 25.0
     assert world_one.wrap_model(torch.nn.Linear(2, 2))._cap_bytes == 25 << 20
+    assert world_one.wrap_model(torch.nn.Linear(2, 2),
+                                grad_dtype=torch.bfloat16)._cap_bytes == 25 << 20
     assert world_one.wrap_model(torch.nn.Linear(2, 2), bucket_cap_mb=None)._cap_bytes == 25 << 20
     assert world_one.wrap_model(torch.nn.Linear(2, 2), bucket_cap_mb=3)._cap_bytes == 3 << 20
 

@@ -913,16 +913,20 @@ def _check_ddp_keywords(device_ids: Any, output_device: Any, dim: int,
 # directly (NCCL with P2P: the one-shot path is on), 100 MiB stepped GPT-2 (163M parameters) on
 # 2 H200s 0.03-0.05 faster in paired scaling than 25 in three runs with float32 gradients and
 # 0.01-0.04 with bf16 (benchmarks/README.md, session 10): fewer buckets, fewer launches and less
-# hook work per step. Through host memory (NCCL_P2P_DISABLE=1) it was no faster.
+# hook work per step. Through host memory (NCCL_P2P_DISABLE=1) it was no faster. The cap counts
+# the gradients' own bytes; gradients reduced in a 16-bit grad_dtype get twice the cap there, so
+# that their collectives carry the same 100 MiB: 200 was faster than 100 for bf16 in all three
+# paired runs of sessions 10 and 11 (+0.008 to +0.018), where float32 gained nothing from 200.
 DEFAULT_BUCKET_CAP_MB = 25.0
 DIRECT_BUCKET_CAP_MB = 100.0
 
 
-def default_bucket_cap_mb(group: Any) -> float:
-    """What wrap_model uses when bucket_cap_mb is None, for this group."""
+def default_bucket_cap_mb(group: Any, grad_dtype: Optional[torch.dtype] = None) -> float:
+    """What wrap_model uses when bucket_cap_mb is None, for this group and grad_dtype."""
     if group.backend == "nccl" and group.world_size > 1 and group.fast_max_bytes > 0 \
             and group.staged_min_bytes == 0:
-        return DIRECT_BUCKET_CAP_MB
+        return DIRECT_BUCKET_CAP_MB * (2 if grad_dtype in (torch.bfloat16, torch.float16)
+                                       else 1)
     return DEFAULT_BUCKET_CAP_MB
 
 
@@ -942,8 +946,9 @@ def wrap_model(module: torch.nn.Module, *, bucket_cap_mb: Optional[float] = None
 
     bucket_cap_mb: size of the gradient buckets reduced while backward runs (the first holds at
     most 1 MiB, so communication starts early). None: 100 MiB where the GPUs reach each other
-    directly (NVLink or PCIe P2P; fewer, larger buckets measured faster over NVLink), else 25
-    (torch DDP's default); ddpc.parallel.default_bucket_cap_mb(group) says which.
+    directly (NVLink or PCIe P2P; fewer, larger buckets measured faster over NVLink), 200 there
+    with a 16-bit grad_dtype (the same 100 MiB per collective), else 25 (torch DDP's default);
+    ddpc.parallel.default_bucket_cap_mb(group, grad_dtype) says which.
     broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank at each
     forward that runs with autograd on.
     grad_dtype: torch.bfloat16 or torch.float16 to reduce gradients in that dtype (half the
@@ -991,7 +996,7 @@ def wrap_model(module: torch.nn.Module, *, bucket_cap_mb: Optional[float] = None
         raise TypeError(f"wrap_model: group must be a process group (ddpc._C.Group) or None for "
                         f"the default one, got {type(g).__name__}")
     if bucket_cap_mb is None:
-        bucket_cap_mb = default_bucket_cap_mb(g)
+        bucket_cap_mb = default_bucket_cap_mb(g, grad_dtype)
     return DistributedModel(module, int(bucket_cap_mb * (1 << 20)), broadcast_buffers, grad_dtype,
                             g)
 
