@@ -510,10 +510,16 @@ def sc_mismatch(rank):
                 self.extra = torch.nn.Linear(2, 2)
 
     out = {}
-    for case, model in (("shape", Net(4 if rank == 0 else 5)),
-                        ("extra", Net(4, extra=rank == 1))):
+    for case, model, kwargs in (
+            ("shape", Net(4 if rank == 0 else 5), {}),
+            ("extra", Net(4, extra=rank == 1), {}),
+            # settings the collectives depend on: different bucket layouts would pair
+            # collectives of different lengths
+            ("cap", Net(4), {"bucket_cap_mb": 25 if rank == 0 else 0.5}),
+            ("dtype", Net(4), {"grad_dtype": torch.bfloat16} if rank == 1 else {}),
+            ("buffers", Net(4), {"broadcast_buffers": rank == 0})):
         try:
-            ddpc.wrap_model(model)
+            ddpc.wrap_model(model, **kwargs)
             out[case] = None
         except ddpc.MismatchError as e:
             out[case] = str(e)
@@ -818,6 +824,11 @@ def test_mismatched_models_raise_on_every_rank(runs):
                 "(10, 5) float32") in r["shape"]
         assert "parameter 'extra.weight': rank 1 has shape (2, 2) float32 but rank 0 has no " \
                "such parameter" in r["extra"]
+        assert ("different settings: rank 0 has bucket_cap_mb=25 but rank 1 has "
+                "bucket_cap_mb=0.5. Every rank must pass the same") in r["cap"]
+        assert "rank 0 has grad_dtype=None but rank 1 has grad_dtype=bfloat16" in r["dtype"]
+        assert ("rank 0 has broadcast_buffers=True but rank 1 has broadcast_buffers=False"
+                in r["buffers"])
         assert r["after"] == 2
 
 

@@ -145,13 +145,18 @@ def _all_gather_bytes(data: bytes, group: Any, device: torch.device) -> List[byt
 
 
 def _verify_same_model(module: torch.nn.Module, group: Any, device: torch.device,
-                       local_problem: Optional[Exception]) -> None:
+                       local_problem: Optional[Exception],
+                       settings: Sequence[Tuple[str, str]] = ()) -> None:
     """Raises on every rank when any rank cannot wrap its model: local_problem on the rank that
     has it, MismatchError when the ranks' parameters differ in names, shapes, dtypes or
-    requires_grad (naming the first differing parameter and two ranks). One all-gather of a
+    requires_grad (naming the first differing parameter and two ranks), or when the ranks'
+    wrap_model settings that the collectives depend on differ (`settings`, (name, value) pairs:
+    different bucket sizes would pair collectives of different lengths). One all-gather of a
     digest when all is well, so no rank is left waiting in a later collective."""
     desc = _describe(module)
-    text = "\n".join(f"{n}\t{s}" for n, s in desc).encode()
+    # (settings first, after a NUL that no parameter name holds)
+    text = ("\n".join(f"{n}={v}" for n, v in settings) + "\0" +
+            "\n".join(f"{n}\t{s}" for n, s in desc)).encode()
     record = bytearray(hashlib.sha256(text).digest()) + bytearray([local_problem is not None])
     width = len(record)
     world = group.world_size
@@ -169,8 +174,16 @@ def _verify_same_model(module: torch.nn.Module, group: Any, device: torch.device
     bad = [r for r in range(world) if not torch.equal(rows[r, :-1], rows[0, :-1])]
     if not bad:
         return
-    texts = _all_gather_bytes(text, group, device)
-    parsed = [[tuple(line.split("\t", 1)) for line in t.decode().split("\n") if line]
+    texts = [t.decode().split("\0", 1) for t in _all_gather_bytes(text, group, device)]
+    if texts[0][0] != texts[bad[0]][0]:
+        mine, theirs = texts[0][0].split("\n"), texts[bad[0]][0].split("\n")
+        which = next((k for k in range(min(len(mine), len(theirs))) if mine[k] != theirs[k]), 0)
+        raise _C.MismatchError(
+            f"wrap_model: the ranks wrapped their models with different settings: rank 0 has "
+            f"{mine[which]} but rank {bad[0]} has {theirs[which]}. Every rank must pass the same "
+            f"bucket_cap_mb, grad_dtype and broadcast_buffers (their buckets and collectives "
+            f"must pair up) (seen on rank {group.rank})")
+    parsed = [[tuple(line.split("\t", 1)) for line in t[1].split("\n") if line]
               for t in texts]
     what = _first_difference(parsed[0], parsed[bad[0]], 0, bad[0])
     raise _C.MismatchError(
@@ -277,7 +290,10 @@ class DistributedModel(torch.nn.Module):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         with _on(self._device):
-            _verify_same_model(module, group, self._device, self._check_params())
+            _verify_same_model(module, group, self._device, self._check_params(), [
+                ("bucket_cap_mb", f"{bucket_cap_bytes / (1 << 20):g}"),
+                ("grad_dtype", str(grad_dtype).replace("torch.", "")),
+                ("broadcast_buffers", str(broadcast_buffers))])
             if self._world > 1:
                 _broadcast_flat([p.data for p in module.parameters()] + list(module.buffers()),
                                 group, self._device)
