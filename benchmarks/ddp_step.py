@@ -107,7 +107,7 @@ def peak_mib(device: torch.device) -> float:
 # What the results depend on besides the code, printed with them and written to the JSON.
 ENV_VARS = ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO", "NCCL_IB_DISABLE",
             "NCCL_SHM_USE_CUDA_MEMCPY", "NCCL_SHM_MEMCPY_MODE", "CUDA_VISIBLE_DEVICES",
-            "OMP_NUM_THREADS", "DDPC_NCCL_MIN_CTAS", "DDPC_NCCL_MAX_CTAS",
+            "OMP_NUM_THREADS", "DDPC_NCCL_MIN_CTAS", "DDPC_NCCL_MAX_CTAS", "DDPC_TAIL_BUCKET_MB",
             "DDPC_STAGED_ALLREDUCE", "DDPC_STAGED_OVERLAP", "DDPC_NCCL_POST_THREAD")
 
 
@@ -319,6 +319,21 @@ def _worker(rank, args, ports, results):
         variants.append(Variant(f"ddpc bf16 bucket_cap_mb={cap:g}",
                                 lambda m, cap=cap: ddpc.wrap_model(m, bucket_cap_mb=cap,
                                                                    grad_dtype=torch.bfloat16)))
+    for tail in args.tail_mb:
+        # What buckets of their own for the gradients that complete last save the end of
+        # backward (DDPC_TAIL_BUCKET_MB, read as the reducer assigns the buckets), at the default
+        # caps and at each of --extra-caps.
+        env = {"DDPC_TAIL_BUCKET_MB": f"{tail:g}"}
+        variants += [Variant(f"ddpc tail={tail:g}", lambda m: ddpc.wrap_model(m), env=env),
+                     Variant(f"ddpc bf16 tail={tail:g}",
+                             lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16), env=env)]
+        for cap in args.extra_caps:
+            variants += [
+                Variant(f"ddpc bucket_cap_mb={cap:g} tail={tail:g}",
+                        lambda m, cap=cap: ddpc.wrap_model(m, bucket_cap_mb=cap), env=env),
+                Variant(f"ddpc bf16 bucket_cap_mb={cap:g} tail={tail:g}",
+                        lambda m, cap=cap: ddpc.wrap_model(m, bucket_cap_mb=cap,
+                                                           grad_dtype=torch.bfloat16), env=env)]
     if args.variants:
         # (";" separates names when one has a comma: "no DDP, every rank"; a whole name alone
         # is taken as it is)
@@ -417,6 +432,9 @@ def main() -> int:
     ap.add_argument("--extra-caps", type=float, nargs="*", default=[],
                     help="also run ddpc (float32 and bfloat16 gradients) with these "
                          "bucket_cap_mb values")
+    ap.add_argument("--tail-mb", type=float, nargs="*", default=[],
+                    help="also run ddpc (float32 and bfloat16 gradients, default caps and each "
+                         "--extra-caps) with DDPC_TAIL_BUCKET_MB set to these")
     ap.add_argument("--bf16-via-bucket", action="store_true",
                     help="also run ddpc with bf16 gradients copied into their bucket slots "
                          "before the cast (the path before gradients went straight to the wire)")

@@ -133,22 +133,72 @@ static ddpc_status check_create_args(int nparams, const size_t *numels, const dd
     return DDPC_OK;
 }
 
+/* With tail_bytes (DDPC_TAIL_BUCKET_MB), marks in tail[] the gradients expected to complete last
+ * (per dtype and device, late ones aside): the last tail_bytes of the sequence before any
+ * trailing parameters that fill a bucket on their own (a tied embedding, complete only at the
+ * very end). assign_buckets gives them buckets of their own, of at most tail_bytes, so what is
+ * reduced after the backward's last kernel is that much rather than a whole bucket. A key whose
+ * gradients would all be tail gets none: its buckets stay as they are. */
+static void mark_tail(const DdpcReducer *r, const int *seq, const uint8_t *late,
+                      size_t cap_bytes, size_t tail_bytes, uint8_t *tail) {
+    typedef struct {
+        ddpc_dtype dtype;
+        int device, phase, first_pos, first_tail; /* phase 0: trailing big ones, 1: tail, 2: done */
+        size_t acc;
+    } TailKey;
+    int n = r->nparams, nkeys = 0;
+    TailKey keys[DDPC_NUM_DTYPES * 4];
+    for (int pos = n - 1; pos >= 0; pos--) {
+        int p = seq[pos];
+        if (late && late[p]) continue;
+        TailKey *k = NULL;
+        for (int j = 0; j < nkeys && !k; j++)
+            if (keys[j].dtype == r->dtypes[p] && keys[j].device == r->devices[p]) k = &keys[j];
+        if (!k) {
+            if (nkeys == (int)(sizeof keys / sizeof keys[0])) continue; /* (no tail for more) */
+            k = &keys[nkeys++];
+            *k = (TailKey){.dtype = r->dtypes[p], .device = r->devices[p], .first_tail = -1};
+        }
+        k->first_pos = pos;
+        size_t bytes = r->numels[p] * ddpc_dtype_size(r->dtypes[p]);
+        if (k->phase == 2 || (k->phase == 0 && bytes >= cap_bytes)) continue;
+        k->phase = 1;
+        if (k->acc + bytes > tail_bytes) {
+            k->phase = 2;
+            continue;
+        }
+        k->acc += bytes;
+        k->first_tail = pos;
+        tail[pos] = 1;
+    }
+    for (int j = 0; j < nkeys; j++) {
+        if (keys[j].first_tail < 0 || keys[j].first_tail > keys[j].first_pos) continue;
+        for (int pos = 0; pos < n; pos++) /* all of the key would be tail: none is */
+            if (r->dtypes[seq[pos]] == keys[j].dtype && r->devices[seq[pos]] == keys[j].device)
+                tail[pos] = 0;
+    }
+}
+
 /* Buckets are opened in sequence order, so their indices follow the position of their first
  * parameter: the order in which backward is expected to complete them. */
 static ddpc_status assign_buckets(DdpcReducer *r, const int *seq, const uint8_t *late,
-                                  size_t first_bytes, size_t cap_bytes, int comm_dtype) {
+                                  size_t first_bytes, size_t cap_bytes, size_t tail_bytes,
+                                  int comm_dtype) {
     typedef struct {
         ddpc_dtype dtype;
-        int device, late, cur, nclosed;
+        int device, late, cur, nclosed, cur_tail;
         size_t bytes;
     } Key;
     int n = r->nparams;
     Key *keys = NULL;
+    uint8_t *tail = NULL;
     int nkeys = 0;
     ddpc_status st;
     DDPC_CHECK_GOTO(alloc_array((void **)&keys, (size_t)n, sizeof *keys, "bucket keys"), st, fail);
+    DDPC_CHECK_GOTO(alloc_array((void **)&tail, (size_t)n, 1, "tail flags"), st, fail);
     DDPC_CHECK_GOTO(alloc_array((void **)&r->buckets, (size_t)n, sizeof *r->buckets, "buckets"),
                     st, fail);
+    if (tail_bytes) mark_tail(r, seq, late, cap_bytes, tail_bytes, tail);
     for (int pos = 0; pos < n; pos++) {
         int p = seq[pos];
         int lt = late && late[p];
@@ -162,14 +212,16 @@ static ddpc_status assign_buckets(DdpcReducer *r, const int *seq, const uint8_t 
             k = &keys[nkeys++];
             *k = (Key){.dtype = r->dtypes[p], .device = r->devices[p], .late = lt, .cur = -1};
         }
-        size_t limit = !lt && k->nclosed == 0 ? first_bytes : cap_bytes;
-        if (k->cur >= 0 && k->bytes + bytes > limit) {
+        size_t limit = tail[pos] ? tail_bytes : !lt && k->nclosed == 0 ? first_bytes : cap_bytes;
+        /* (the tail starts a bucket of its own) */
+        if (k->cur >= 0 && (k->bytes + bytes > limit || tail[pos] != k->cur_tail)) {
             k->cur = -1;
             k->nclosed++;
         }
         if (k->cur < 0) {
             k->cur = r->nbuckets++;
             k->bytes = 0;
+            k->cur_tail = tail[pos];
             Bucket *b = &r->buckets[k->cur];
             b->dtype = r->dtypes[p];
             b->device = r->devices[p];
@@ -197,9 +249,11 @@ static ddpc_status assign_buckets(DdpcReducer *r, const int *seq, const uint8_t 
         r->bucket_params[b->first + b->nparams++] = seq[pos];
     }
     free(keys);
+    free(tail);
     return DDPC_OK;
 fail:
     free(keys);
+    free(tail);
     return st;
 }
 
@@ -226,6 +280,21 @@ static void free_arrays(DdpcReducer *r) {
     free(r);
 }
 
+/* DDPC_TAIL_BUCKET_MB (off when unset or 0; for comparisons): the size of the buckets of the
+ * gradients that complete last (mark_tail), in MiB. */
+static ddpc_status tail_bucket_bytes(size_t *out) {
+    *out = 0;
+    const char *v = getenv("DDPC_TAIL_BUCKET_MB");
+    if (!v || !*v) return DDPC_OK;
+    char *end = NULL;
+    double mb = strtod(v, &end);
+    if (end == v || *end || !(mb >= 0) || mb > 1e9)
+        return ddpc_error(DDPC_ERR_INVALID, "DDPC_TAIL_BUCKET_MB=%s: expected a number of MiB >= 0 "
+                          "(0 or unset: no tail buckets)", v);
+    *out = (size_t)(mb * 1048576.0);
+    return DDPC_OK;
+}
+
 ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
                                 const ddpc_dtype *dtypes, const int *devices, const int *order,
                                 const uint8_t *late, size_t first_bucket_bytes,
@@ -249,6 +318,8 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
     r->defer = !(post_thread && strcmp(post_thread, "0") == 0);
     const char *comm_casts = getenv("DDPC_COMM_CASTS");
     r->comm_casts = comm_casts && strcmp(comm_casts, "1") == 0;
+    size_t tail_bytes = 0;
+    DDPC_CHECK_GOTO(tail_bucket_bytes(&tail_bytes), st, fail);
     size_t n = (size_t)nparams;
     DDPC_CHECK_GOTO(alloc_array((void **)&r->numels, n, sizeof *r->numels, "numels"), st, fail);
     DDPC_CHECK_GOTO(alloc_array((void **)&r->dtypes, n, sizeof *r->dtypes, "dtypes"), st, fail);
@@ -287,7 +358,8 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
             int p = order ? order[j] : nparams - 1 - j;
             if ((late && late[p]) == pass) seq[k++] = p;
         }
-    DDPC_CHECK_GOTO(assign_buckets(r, seq, late, first_bucket_bytes, bucket_cap_bytes, comm_dtype),
+    DDPC_CHECK_GOTO(assign_buckets(r, seq, late, first_bucket_bytes, bucket_cap_bytes, tail_bytes,
+                                   comm_dtype),
                     st, fail);
     int rc = pthread_mutex_init(&r->mu, NULL);
     if (rc != 0) {
@@ -295,8 +367,8 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
         goto fail;
     }
     DDPC_INFO("REDUCER", "rank %d: %d parameters in %d buckets (first %zu bytes, cap %zu bytes, "
-              "comm dtype %d)", ddpc_group_rank(g), nparams, r->nbuckets, first_bucket_bytes,
-              bucket_cap_bytes, comm_dtype);
+              "tail %zu bytes, comm dtype %d)", ddpc_group_rank(g), nparams, r->nbuckets,
+              first_bucket_bytes, bucket_cap_bytes, tail_bytes, comm_dtype);
     free(seen);
     free(seq);
     *out = r;

@@ -517,12 +517,17 @@ def sc_mismatch(rank):
             # collectives of different lengths
             ("cap", Net(4), {"bucket_cap_mb": 25 if rank == 0 else 0.5}),
             ("dtype", Net(4), {"grad_dtype": torch.bfloat16} if rank == 1 else {}),
-            ("buffers", Net(4), {"broadcast_buffers": rank == 0})):
+            ("buffers", Net(4), {"broadcast_buffers": rank == 0}),
+            ("tail", Net(4), {})):
+        if case == "tail":  # (read by the reducer as it assigns the buckets)
+            os.environ["DDPC_TAIL_BUCKET_MB"] = str(rank)
         try:
             ddpc.wrap_model(model, **kwargs)
             out[case] = None
         except ddpc.MismatchError as e:
             out[case] = str(e)
+        finally:
+            os.environ.pop("DDPC_TAIL_BUCKET_MB", None)
     ok = ddpc.wrap_model(Net(4))  # the group is still usable
     out["after"] = len(ok._params)
     return out
@@ -829,6 +834,7 @@ def test_mismatched_models_raise_on_every_rank(runs):
         assert "rank 0 has grad_dtype=None but rank 1 has grad_dtype=bfloat16" in r["dtype"]
         assert ("rank 0 has broadcast_buffers=True but rank 1 has broadcast_buffers=False"
                 in r["buffers"])
+        assert "rank 0 has DDPC_TAIL_BUCKET_MB=0 but rank 1 has DDPC_TAIL_BUCKET_MB=1" in r["tail"]
         assert r["after"] == 2
 
 
@@ -912,6 +918,33 @@ def test_default_bucket_cap_follows_the_group(world_one):
                                 grad_dtype=torch.bfloat16)._cap_bytes == 25 << 20
     assert world_one.wrap_model(torch.nn.Linear(2, 2), bucket_cap_mb=None)._cap_bytes == 25 << 20
     assert world_one.wrap_model(torch.nn.Linear(2, 2), bucket_cap_mb=3)._cap_bytes == 3 << 20
+
+
+def test_tail_buckets_hold_the_last_gradients_and_train_the_same(world_one, monkeypatch):
+    """DDPC_TAIL_BUCKET_MB: the gradients that complete last (before a big parameter completed at
+    the very end, like a tied embedding) get buckets of their own; the gradients are the same."""
+    def run(tail):
+        if tail:
+            monkeypatch.setenv("DDPC_TAIL_BUCKET_MB", tail)
+        else:
+            monkeypatch.delenv("DDPC_TAIL_BUCKET_MB", raising=False)
+        torch.manual_seed(0)
+        # sequence of completion: the last Linear first ... the first Linear, then emb
+        net = torch.nn.Sequential(torch.nn.Embedding(256, 64),
+                                  *[torch.nn.Linear(64, 64) for _ in range(6)])
+        w = world_one.wrap_model(net, bucket_cap_mb=0.05)  # 51.2 KiB: 3 Linears of 16.25
+        x = torch.randint(0, 256, (4, 8))
+        for _ in range(2):  # (the second runs on the layout the first observed)
+            w.zero_grad(set_to_none=True)
+            w(x).square().mean().backward()
+        return [len(m) for m in w._members], [p.grad.clone() for p in net.parameters()]
+    plain, grads = run(None)
+    tail, grads_tail = run("0.02")  # 20 KiB: one Linear (16.25 KiB)
+    # parameters per bucket: 3 Linears and a bias; the other weight and 2 Linears; the embedding
+    assert plain == [7, 5, 1], plain
+    # the same, but the first Linear (the last before the embedding) in a bucket of its own
+    assert tail == [7, 3, 2, 1], tail
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_tail))
 
 
 def test_bad_modules_are_named(world_one):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import sys
 import time
 import weakref
@@ -181,8 +182,9 @@ def _verify_same_model(module: torch.nn.Module, group: Any, device: torch.device
         raise _C.MismatchError(
             f"wrap_model: the ranks wrapped their models with different settings: rank 0 has "
             f"{mine[which]} but rank {bad[0]} has {theirs[which]}. Every rank must pass the same "
-            f"bucket_cap_mb, grad_dtype and broadcast_buffers (their buckets and collectives "
-            f"must pair up) (seen on rank {group.rank})")
+            f"bucket_cap_mb, grad_dtype and broadcast_buffers, and set the same "
+            f"DDPC_TAIL_BUCKET_MB (their buckets and collectives must pair up) (seen on rank "
+            f"{group.rank})")
     parsed = [[tuple(line.split("\t", 1)) for line in t[1].split("\n") if line]
               for t in texts]
     what = _first_difference(parsed[0], parsed[bad[0]], 0, bad[0])
@@ -293,7 +295,8 @@ class DistributedModel(torch.nn.Module):
             _verify_same_model(module, group, self._device, self._check_params(), [
                 ("bucket_cap_mb", f"{bucket_cap_bytes / (1 << 20):g}"),
                 ("grad_dtype", str(grad_dtype).replace("torch.", "")),
-                ("broadcast_buffers", str(broadcast_buffers))])
+                ("broadcast_buffers", str(broadcast_buffers)),
+                ("DDPC_TAIL_BUCKET_MB", os.environ.get("DDPC_TAIL_BUCKET_MB") or "0")])
             if self._world > 1:
                 _broadcast_flat([p.data for p in module.parameters()] + list(module.buffers()),
                                 group, self._device)

@@ -709,10 +709,63 @@ static void test_bad_arguments(void) {
     }
 }
 
+/* DDPC_TAIL_BUCKET_MB: the gradients that complete last get buckets of their own, of at most that
+ * size, before trailing parameters that fill a bucket alone. Sequence (reverse order): 9 float32
+ * parameters of 100 elements (400 bytes), then one of 1000 (4000 bytes, "the tied embedding");
+ * first bucket 400 bytes, cap 2000, tail 0.001 MiB (1048 bytes: two of the small ones). */
+static void test_tail_buckets(void) {
+    size_t numels[10] = {1000, 100, 100, 100, 100, 100, 100, 100, 100, 100};
+    ddpc_dtype dts[10] = {0};
+    int devs[10] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+    DdpcReducer *r = NULL;
+    int b;
+    size_t off;
+    /* without: {9}, {8..4}, {3,2,1}, {0} */
+    unsetenv("DDPC_TAIL_BUCKET_MB");
+    OK(ddpc_reducer_create(&g_group, 10, numels, dts, devs, NULL, NULL, 400, 2000, -1, &r));
+    if (r) {
+        EXPECT(ddpc_reducer_num_buckets(r) == 4, "no tail: %d buckets", ddpc_reducer_num_buckets(r));
+        OK(ddpc_reducer_param_slot(r, 1, &b, &off));
+        EXPECT(b == 2 && off == 200, "no tail: param 1 in bucket %d at %zu", b, off);
+        ddpc_reducer_destroy(r);
+    }
+    /* with: {9}, {8..4}, {3}, {2,1} (the tail), {0} */
+    setenv("DDPC_TAIL_BUCKET_MB", "0.001", 1);
+    OK(ddpc_reducer_create(&g_group, 10, numels, dts, devs, NULL, NULL, 400, 2000, -1, &r));
+    if (r) {
+        EXPECT(ddpc_reducer_num_buckets(r) == 5, "tail: %d buckets", ddpc_reducer_num_buckets(r));
+        OK(ddpc_reducer_param_slot(r, 3, &b, &off));
+        EXPECT(b == 2 && off == 0, "tail: param 3 in bucket %d at %zu", b, off);
+        OK(ddpc_reducer_param_slot(r, 2, &b, &off));
+        EXPECT(b == 3 && off == 0, "tail: param 2 in bucket %d at %zu", b, off);
+        OK(ddpc_reducer_param_slot(r, 1, &b, &off));
+        EXPECT(b == 3 && off == 100, "tail: param 1 in bucket %d at %zu", b, off);
+        OK(ddpc_reducer_param_slot(r, 0, &b, &off));
+        EXPECT(b == 4 && off == 0, "tail: param 0 in bucket %d at %zu", b, off);
+        ddpc_reducer_destroy(r);
+    }
+    /* a model smaller than the tail keeps its buckets: {2}, {1, 0} */
+    setenv("DDPC_TAIL_BUCKET_MB", "1", 1);
+    OK(ddpc_reducer_create(&g_group, 3, numels + 1, dts, devs, NULL, NULL, 400, 2000, -1, &r));
+    if (r) {
+        EXPECT(ddpc_reducer_num_buckets(r) == 2, "small: %d buckets", ddpc_reducer_num_buckets(r));
+        ddpc_reducer_destroy(r);
+    }
+    setenv("DDPC_TAIL_BUCKET_MB", "lots", 1);
+    r = NULL;
+    EXPECT(ddpc_reducer_create(&g_group, 3, numels + 1, dts, devs, NULL, NULL, 400, 2000, -1, &r) ==
+               DDPC_ERR_INVALID && !r, "DDPC_TAIL_BUCKET_MB=lots accepted");
+    EXPECT(strstr(ddpc_last_error(), "DDPC_TAIL_BUCKET_MB=lots: expected a number of MiB") != NULL,
+           "message: %s", ddpc_last_error());
+    unsetenv("DDPC_TAIL_BUCKET_MB");
+}
+
 int main(void) {
     unsetenv("DDPC_GRAD_BATCH"); /* the tests set it where they need it */
     unsetenv("DDPC_COMM_CASTS");
+    unsetenv("DDPC_TAIL_BUCKET_MB");
     test_assignment_and_launch_order();
+    test_tail_buckets();
     test_order_late_dtypes();
     test_mark_ready_copy();
     test_copy_batch_bound();
