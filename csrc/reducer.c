@@ -198,6 +198,7 @@ static ddpc_status assign_buckets(DdpcReducer *r, const int *seq, const uint8_t 
     DDPC_CHECK_GOTO(alloc_array((void **)&tail, (size_t)n, 1, "tail flags"), st, fail);
     DDPC_CHECK_GOTO(alloc_array((void **)&r->buckets, (size_t)n, sizeof *r->buckets, "buckets"),
                     st, fail);
+    tail_bytes = DDPC_MIN(tail_bytes, cap_bytes); /* (no tail bucket outgrows the others) */
     if (tail_bytes) mark_tail(r, seq, late, cap_bytes, tail_bytes, tail);
     for (int pos = 0; pos < n; pos++) {
         int p = seq[pos];

@@ -744,6 +744,18 @@ static void test_tail_buckets(void) {
         EXPECT(b == 4 && off == 0, "tail: param 0 in bucket %d at %zu", b, off);
         ddpc_reducer_destroy(r);
     }
+    /* a tail larger than the cap is the cap: {9}, {8,7,6}, {5..1} (the tail, 2000 bytes), {0} */
+    setenv("DDPC_TAIL_BUCKET_MB", "0.01", 1);
+    OK(ddpc_reducer_create(&g_group, 10, numels, dts, devs, NULL, NULL, 400, 2000, -1, &r));
+    if (r) {
+        EXPECT(ddpc_reducer_num_buckets(r) == 4, "big tail: %d buckets",
+               ddpc_reducer_num_buckets(r));
+        OK(ddpc_reducer_param_slot(r, 6, &b, &off));
+        EXPECT(b == 1 && off == 200, "big tail: param 6 in bucket %d at %zu", b, off);
+        OK(ddpc_reducer_param_slot(r, 1, &b, &off));
+        EXPECT(b == 2 && off == 400, "big tail: param 1 in bucket %d at %zu", b, off);
+        ddpc_reducer_destroy(r);
+    }
     /* a model smaller than the tail keeps its buckets: {2}, {1, 0} */
     setenv("DDPC_TAIL_BUCKET_MB", "1", 1);
     OK(ddpc_reducer_create(&g_group, 3, numels + 1, dts, devs, NULL, NULL, 400, 2000, -1, &r));
