@@ -712,61 +712,52 @@ static void test_bad_arguments(void) {
 /* DDPC_TAIL_BUCKET_MB: the gradients that complete last get buckets of their own, of at most that
  * size, before trailing parameters that fill a bucket alone. Sequence (reverse order): 9 float32
  * parameters of 100 elements (400 bytes), then one of 1000 (4000 bytes, "the tied embedding");
- * first bucket 400 bytes, cap 2000, tail 0.001 MiB (1048 bytes: two of the small ones). */
-static void test_tail_buckets(void) {
-    size_t numels[10] = {1000, 100, 100, 100, 100, 100, 100, 100, 100, 100};
+ * first bucket 400 bytes, cap 2000. */
+static const size_t g_tail_numels[10] = {1000, 100, 100, 100, 100, 100, 100, 100, 100, 100};
+
+/* The layout of the first n of those with DDPC_TAIL_BUCKET_MB=mb (NULL: unset): nbuckets
+ * buckets, and each {parameter, bucket, offset} of want[]. */
+static void check_tail_layout(const char *what, const char *mb, int n, int nbuckets,
+                              const int (*want)[3], int nwant) {
     ddpc_dtype dts[10] = {0};
     int devs[10] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
     DdpcReducer *r = NULL;
-    int b;
-    size_t off;
+    if (mb)
+        setenv("DDPC_TAIL_BUCKET_MB", mb, 1);
+    else
+        unsetenv("DDPC_TAIL_BUCKET_MB");
+    OK(ddpc_reducer_create(&g_group, n, g_tail_numels + 10 - n, dts, devs, NULL, NULL, 400, 2000,
+                           -1, &r));
+    if (!r) return;
+    EXPECT(ddpc_reducer_num_buckets(r) == nbuckets, "%s: %d buckets", what,
+           ddpc_reducer_num_buckets(r));
+    for (int k = 0; k < nwant; k++) {
+        int b = -1;
+        size_t off = 0;
+        OK(ddpc_reducer_param_slot(r, want[k][0], &b, &off));
+        EXPECT(b == want[k][1] && off == (size_t)want[k][2], "%s: param %d in bucket %d at %zu",
+               what, want[k][0], b, off);
+    }
+    ddpc_reducer_destroy(r);
+}
+
+static void test_tail_buckets(void) {
     /* without: {9}, {8..4}, {3,2,1}, {0} */
-    unsetenv("DDPC_TAIL_BUCKET_MB");
-    OK(ddpc_reducer_create(&g_group, 10, numels, dts, devs, NULL, NULL, 400, 2000, -1, &r));
-    if (r) {
-        EXPECT(ddpc_reducer_num_buckets(r) == 4, "no tail: %d buckets", ddpc_reducer_num_buckets(r));
-        OK(ddpc_reducer_param_slot(r, 1, &b, &off));
-        EXPECT(b == 2 && off == 200, "no tail: param 1 in bucket %d at %zu", b, off);
-        ddpc_reducer_destroy(r);
-    }
-    /* with: {9}, {8..4}, {3}, {2,1} (the tail), {0} */
-    setenv("DDPC_TAIL_BUCKET_MB", "0.001", 1);
-    OK(ddpc_reducer_create(&g_group, 10, numels, dts, devs, NULL, NULL, 400, 2000, -1, &r));
-    if (r) {
-        EXPECT(ddpc_reducer_num_buckets(r) == 5, "tail: %d buckets", ddpc_reducer_num_buckets(r));
-        OK(ddpc_reducer_param_slot(r, 3, &b, &off));
-        EXPECT(b == 2 && off == 0, "tail: param 3 in bucket %d at %zu", b, off);
-        OK(ddpc_reducer_param_slot(r, 2, &b, &off));
-        EXPECT(b == 3 && off == 0, "tail: param 2 in bucket %d at %zu", b, off);
-        OK(ddpc_reducer_param_slot(r, 1, &b, &off));
-        EXPECT(b == 3 && off == 100, "tail: param 1 in bucket %d at %zu", b, off);
-        OK(ddpc_reducer_param_slot(r, 0, &b, &off));
-        EXPECT(b == 4 && off == 0, "tail: param 0 in bucket %d at %zu", b, off);
-        ddpc_reducer_destroy(r);
-    }
+    check_tail_layout("no tail", NULL, 10, 4, (const int[][3]){{1, 2, 200}}, 1);
+    /* 0.001 MiB (1048 bytes, two of the small ones): {9}, {8..4}, {3}, {2,1} (the tail), {0} */
+    check_tail_layout("tail", "0.001", 10, 5,
+                      (const int[][3]){{3, 2, 0}, {2, 3, 0}, {1, 3, 100}, {0, 4, 0}}, 4);
     /* a tail larger than the cap is the cap: {9}, {8,7,6}, {5..1} (the tail, 2000 bytes), {0} */
-    setenv("DDPC_TAIL_BUCKET_MB", "0.01", 1);
-    OK(ddpc_reducer_create(&g_group, 10, numels, dts, devs, NULL, NULL, 400, 2000, -1, &r));
-    if (r) {
-        EXPECT(ddpc_reducer_num_buckets(r) == 4, "big tail: %d buckets",
-               ddpc_reducer_num_buckets(r));
-        OK(ddpc_reducer_param_slot(r, 6, &b, &off));
-        EXPECT(b == 1 && off == 200, "big tail: param 6 in bucket %d at %zu", b, off);
-        OK(ddpc_reducer_param_slot(r, 1, &b, &off));
-        EXPECT(b == 2 && off == 400, "big tail: param 1 in bucket %d at %zu", b, off);
-        ddpc_reducer_destroy(r);
-    }
-    /* a model smaller than the tail keeps its buckets: {2}, {1, 0} */
-    setenv("DDPC_TAIL_BUCKET_MB", "1", 1);
-    OK(ddpc_reducer_create(&g_group, 3, numels + 1, dts, devs, NULL, NULL, 400, 2000, -1, &r));
-    if (r) {
-        EXPECT(ddpc_reducer_num_buckets(r) == 2, "small: %d buckets", ddpc_reducer_num_buckets(r));
-        ddpc_reducer_destroy(r);
-    }
+    check_tail_layout("big tail", "0.01", 10, 4, (const int[][3]){{6, 1, 200}, {1, 2, 400}}, 2);
+    /* a model smaller than the tail keeps its buckets: {2}, {1, 0} (the last 3 of the sizes) */
+    check_tail_layout("small", "1", 3, 2, (const int[][3]){{0, 1, 100}}, 1);
     setenv("DDPC_TAIL_BUCKET_MB", "lots", 1);
-    r = NULL;
-    EXPECT(ddpc_reducer_create(&g_group, 3, numels + 1, dts, devs, NULL, NULL, 400, 2000, -1, &r) ==
-               DDPC_ERR_INVALID && !r, "DDPC_TAIL_BUCKET_MB=lots accepted");
+    ddpc_dtype dts[3] = {0};
+    int devs[3] = {-1, -1, -1};
+    DdpcReducer *r = NULL;
+    EXPECT(ddpc_reducer_create(&g_group, 3, g_tail_numels + 7, dts, devs, NULL, NULL, 400, 2000,
+                               -1, &r) == DDPC_ERR_INVALID && !r,
+           "DDPC_TAIL_BUCKET_MB=lots accepted");
     EXPECT(strstr(ddpc_last_error(), "DDPC_TAIL_BUCKET_MB=lots: expected a number of MiB") != NULL,
            "message: %s", ddpc_last_error());
     unsetenv("DDPC_TAIL_BUCKET_MB");
