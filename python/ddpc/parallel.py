@@ -145,6 +145,16 @@ def _all_gather_bytes(data: bytes, group: Any, device: torch.device) -> List[byt
     return [bytes(rows[r, :lengths_l[r]].tolist()) for r in range(world)]
 
 
+def _env_number(name: str) -> str:
+    """An environment variable that holds a number, as every rank should compare it ("0.50" and
+    ".5" alike; unset or empty is 0; anything else as it is)."""
+    v = os.environ.get(name) or "0"
+    try:
+        return f"{float(v):g}"
+    except ValueError:
+        return v
+
+
 def _verify_same_model(module: torch.nn.Module, group: Any, device: torch.device,
                        local_problem: Optional[Exception],
                        settings: Sequence[Tuple[str, str]] = ()) -> None:
@@ -296,7 +306,7 @@ class DistributedModel(torch.nn.Module):
                 ("bucket_cap_mb", f"{bucket_cap_bytes / (1 << 20):g}"),
                 ("grad_dtype", str(grad_dtype).replace("torch.", "")),
                 ("broadcast_buffers", str(broadcast_buffers)),
-                ("DDPC_TAIL_BUCKET_MB", os.environ.get("DDPC_TAIL_BUCKET_MB") or "0")])
+                ("DDPC_TAIL_BUCKET_MB", _env_number("DDPC_TAIL_BUCKET_MB"))])
             if self._world > 1:
                 _broadcast_flat([p.data for p in module.parameters()] + list(module.buffers()),
                                 group, self._device)
