@@ -135,12 +135,13 @@ static ddpc_status check_create_args(int nparams, const size_t *numels, const dd
 
 /* With tail_bytes (DDPC_TAIL_BUCKET_MB), marks in tail[] the gradients expected to complete last
  * (per dtype and device, late ones aside): the last tail_bytes of the sequence before any
- * trailing parameters that fill a bucket on their own (a tied embedding, complete only at the
- * very end). assign_buckets gives them buckets of their own, of at most tail_bytes, so what is
- * reduced after the backward's last kernel is that much rather than a whole bucket. A key whose
- * gradients would all be tail gets none: its buckets stay as they are. */
+ * trailing parameters larger than tail_bytes (a tied embedding, complete only at the very end,
+ * which gets a bucket of its own anyway). assign_buckets gives them buckets of their own, of at
+ * most tail_bytes, so what is reduced after the backward's last kernel is that much rather than
+ * a whole bucket. A key whose gradients would all be tail gets none: its buckets stay as they
+ * are. */
 static void mark_tail(const DdpcReducer *r, const int *seq, const uint8_t *late,
-                      size_t cap_bytes, size_t tail_bytes, uint8_t *tail) {
+                      size_t tail_bytes, uint8_t *tail) {
     typedef struct {
         ddpc_dtype dtype;
         int device, phase, first_pos, first_tail; /* phase 0: trailing big ones, 1: tail, 2: done */
@@ -161,7 +162,7 @@ static void mark_tail(const DdpcReducer *r, const int *seq, const uint8_t *late,
         }
         k->first_pos = pos;
         size_t bytes = r->numels[p] * ddpc_dtype_size(r->dtypes[p]);
-        if (k->phase == 2 || (k->phase == 0 && bytes >= cap_bytes)) continue;
+        if (k->phase == 2 || (k->phase == 0 && bytes > tail_bytes)) continue;
         k->phase = 1;
         if (k->acc + bytes > tail_bytes) {
             k->phase = 2;
@@ -199,7 +200,7 @@ static ddpc_status assign_buckets(DdpcReducer *r, const int *seq, const uint8_t 
     DDPC_CHECK_GOTO(alloc_array((void **)&r->buckets, (size_t)n, sizeof *r->buckets, "buckets"),
                     st, fail);
     tail_bytes = DDPC_MIN(tail_bytes, cap_bytes); /* (no tail bucket outgrows the others) */
-    if (tail_bytes) mark_tail(r, seq, late, cap_bytes, tail_bytes, tail);
+    if (tail_bytes) mark_tail(r, seq, late, tail_bytes, tail);
     for (int pos = 0; pos < n; pos++) {
         int p = seq[pos];
         int lt = late && late[p];

@@ -710,14 +710,14 @@ static void test_bad_arguments(void) {
 }
 
 /* DDPC_TAIL_BUCKET_MB: the gradients that complete last get buckets of their own, of at most that
- * size, before trailing parameters that fill a bucket alone. Sequence (reverse order): 9 float32
+ * size, before trailing parameters larger than that. Sequence (reverse order): 9 float32
  * parameters of 100 elements (400 bytes), then one of 1000 (4000 bytes, "the tied embedding");
- * first bucket 400 bytes, cap 2000. */
+ * first bucket 400 bytes, cap 2000 (or 5000). */
 static const size_t g_tail_numels[10] = {1000, 100, 100, 100, 100, 100, 100, 100, 100, 100};
 
-/* The layout of the first n of those with DDPC_TAIL_BUCKET_MB=mb (NULL: unset): nbuckets
- * buckets, and each {parameter, bucket, offset} of want[]. */
-static void check_tail_layout(const char *what, const char *mb, int n, int nbuckets,
+/* The layout of the last n of those with cap bytes and DDPC_TAIL_BUCKET_MB=mb (NULL: unset):
+ * nbuckets buckets, and each {parameter, bucket, offset} of want[]. */
+static void check_tail_layout(const char *what, const char *mb, int n, size_t cap, int nbuckets,
                               const int (*want)[3], int nwant) {
     ddpc_dtype dts[10] = {0};
     int devs[10] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
@@ -726,7 +726,7 @@ static void check_tail_layout(const char *what, const char *mb, int n, int nbuck
         setenv("DDPC_TAIL_BUCKET_MB", mb, 1);
     else
         unsetenv("DDPC_TAIL_BUCKET_MB");
-    OK(ddpc_reducer_create(&g_group, n, g_tail_numels + 10 - n, dts, devs, NULL, NULL, 400, 2000,
+    OK(ddpc_reducer_create(&g_group, n, g_tail_numels + 10 - n, dts, devs, NULL, NULL, 400, cap,
                            -1, &r));
     if (!r) return;
     EXPECT(ddpc_reducer_num_buckets(r) == nbuckets, "%s: %d buckets", what,
@@ -743,14 +743,20 @@ static void check_tail_layout(const char *what, const char *mb, int n, int nbuck
 
 static void test_tail_buckets(void) {
     /* without: {9}, {8..4}, {3,2,1}, {0} */
-    check_tail_layout("no tail", NULL, 10, 4, (const int[][3]){{1, 2, 200}}, 1);
+    check_tail_layout("no tail", NULL, 10, 2000, 4, (const int[][3]){{1, 2, 200}}, 1);
     /* 0.001 MiB (1048 bytes, two of the small ones): {9}, {8..4}, {3}, {2,1} (the tail), {0} */
-    check_tail_layout("tail", "0.001", 10, 5,
+    check_tail_layout("tail", "0.001", 10, 2000, 5,
                       (const int[][3]){{3, 2, 0}, {2, 3, 0}, {1, 3, 100}, {0, 4, 0}}, 4);
+    /* the same when the last parameter is under the cap (5000): without a tail {9}, {8..1}, {0};
+     * with it {9}, {8..3}, {2,1}, {0} */
+    check_tail_layout("cap 5000", NULL, 10, 5000, 3, (const int[][3]){{1, 1, 700}}, 1);
+    check_tail_layout("tail, cap 5000", "0.001", 10, 5000, 4,
+                      (const int[][3]){{3, 1, 500}, {2, 2, 0}, {1, 2, 100}, {0, 3, 0}}, 4);
     /* a tail larger than the cap is the cap: {9}, {8,7,6}, {5..1} (the tail, 2000 bytes), {0} */
-    check_tail_layout("big tail", "0.01", 10, 4, (const int[][3]){{6, 1, 200}, {1, 2, 400}}, 2);
+    check_tail_layout("big tail", "0.01", 10, 2000, 4,
+                      (const int[][3]){{6, 1, 200}, {1, 2, 400}}, 2);
     /* a model smaller than the tail keeps its buckets: {2}, {1, 0} (the last 3 of the sizes) */
-    check_tail_layout("small", "1", 3, 2, (const int[][3]){{0, 1, 100}}, 1);
+    check_tail_layout("small", "1", 3, 2000, 2, (const int[][3]){{0, 1, 100}}, 1);
     setenv("DDPC_TAIL_BUCKET_MB", "lots", 1);
     ddpc_dtype dts[3] = {0};
     int devs[3] = {-1, -1, -1};
