@@ -319,6 +319,12 @@ def _worker(rank, args, ports, results):
         variants.append(Variant(f"ddpc bf16 bucket_cap_mb={cap:g}",
                                 lambda m, cap=cap: ddpc.wrap_model(m, bucket_cap_mb=cap,
                                                                    grad_dtype=torch.bfloat16)))
+    if args.control:
+        # The default ddpc wrapper a second time: what two identical variants differ by in this
+        # run is its noise, the floor under which a paired difference means nothing.
+        variants += [Variant("ddpc (control)", lambda m: ddpc.wrap_model(m)),
+                     Variant("ddpc bf16 (control)",
+                             lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16))]
     for tail in args.tail_mb:
         # What buckets of their own for the gradients that complete last save the end of
         # backward (DDPC_TAIL_BUCKET_MB, read as the reducer assigns the buckets), at the default
@@ -432,6 +438,9 @@ def main() -> int:
     ap.add_argument("--extra-caps", type=float, nargs="*", default=[],
                     help="also run ddpc (float32 and bfloat16 gradients) with these "
                          "bucket_cap_mb values")
+    ap.add_argument("--control", action="store_true",
+                    help="also run the default ddpc variants (float32, bf16) a second time: their "
+                         "difference from the first is the run's noise")
     ap.add_argument("--tail-mb", type=float, nargs="*", default=[],
                     help="also run ddpc (float32 and bfloat16 gradients, default caps and each "
                          "--extra-caps) with DDPC_TAIL_BUCKET_MB set to these")
