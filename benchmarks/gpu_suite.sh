@@ -34,9 +34,11 @@ NGPU=$(nvidia-smi -L | grep -c '^GPU')
 stage build 150 $PY -m pip install --no-build-isolation --no-deps -e .
 TAIL=6 stage gpu_tests 360 $PY -m pytest -m gpu -q -ra tests/test_gpu.py tests/test_gpu_wrap_model.py
 if [ "$NGPU" -ge 2 ]; then
-    stage ddp_nvlink 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30 ${DDP_ARGS:-}
+    # (--control: the default ddpc variants twice, so each table shows its own noise)
+    stage ddp_nvlink 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30 --control \
+        ${DDP_ARGS:-}
     NCCL_P2P_DISABLE=1 stage ddp_nop2p 120 $PY benchmarks/ddp_step.py --device cuda --nproc 2 \
-        --steps 30 --p2p off ${DDP_ARGS:-}
+        --steps 30 --p2p off --control ${DDP_ARGS:-}
     # The staged all-reduce with each call waiting for the one before (NCCL's own copy-engine
     # SHM mode, NCCL_SHM_USE_CUDA_MEMCPY=1, printed nothing in 120 s here).
     NCCL_P2P_DISABLE=1 DDPC_STAGED_OVERLAP=0 stage ddp_nop2p_serial 120 \
