@@ -303,7 +303,7 @@ class DistributedModel(torch.nn.Module):
         self._params = [p for _, p in named]
         with _on(self._device):
             _verify_same_model(module, group, self._device, self._check_params(), [
-                ("bucket_cap_mb", f"{bucket_cap_bytes / (1 << 20):g}"),
+                ("bucket_cap_mb", f"{bucket_cap_bytes / (1 << 20):.12g}"),  # (to the byte)
                 ("grad_dtype", str(grad_dtype).replace("torch.", "")),
                 ("broadcast_buffers", str(broadcast_buffers)),
                 ("DDPC_TAIL_BUCKET_MB", _env_number("DDPC_TAIL_BUCKET_MB"))])
