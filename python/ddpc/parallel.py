@@ -150,7 +150,7 @@ def _env_number(name: str) -> str:
     ".5" alike; unset or empty is 0; anything else as it is)."""
     v = os.environ.get(name) or "0"
     try:
-        return f"{float(v):g}"
+        return f"{float(v):.12g}"
     except ValueError:
         return v
 
