@@ -262,6 +262,12 @@ def _worker(rank, args, ports, results):
     cfg = MODELS[args.model]
     ids = [rank] if args.device == "cuda" else None
 
+    def pair(f32: str, bf16: str, env=None, **kw):
+        """ddpc with float32 gradients and with bf16 ones, the other wrap_model arguments kw."""
+        return [Variant(f32, lambda m: ddpc.wrap_model(m, **kw), env=env),
+                Variant(bf16, lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16, **kw),
+                        env=env)]
+
     variants = [
         Variant("1 process (no DDP)", lambda m: m, single=True),
         *([Variant("no DDP, every rank", lambda m: m)] if args.no_ddp_every_rank else []),
@@ -269,26 +275,20 @@ def _worker(rank, args, ports, results):
         Variant("torch DDP bucket_view+static", lambda m: DDP(
             m, device_ids=ids, bucket_cap_mb=25, gradient_as_bucket_view=True,
             static_graph=True)),
-        Variant("ddpc", lambda m: ddpc.wrap_model(m)),
-        Variant("ddpc grad_dtype=bf16", lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16)),
+        *pair("ddpc", "ddpc grad_dtype=bf16"),
     ]
     if args.per_gradient:
         # What copying (casting) a bucket's gradients in one launch when it is complete saves:
         # one launch per gradient as it arrives (DDPC_GRAD_BATCH=0, read when a reducer is made,
         # so set while the variant is built and warmed up, which makes its last reducer).
-        one = {"DDPC_GRAD_BATCH": "0"}
-        variants += [Variant("ddpc per-gradient copies", lambda m: ddpc.wrap_model(m), env=one),
-                     Variant("ddpc bf16 per-gradient casts",
-                             lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16), env=one)]
+        variants += pair("ddpc per-gradient copies", "ddpc bf16 per-gradient casts",
+                         env={"DDPC_GRAD_BATCH": "0"})
     if args.inline_posts:
         # What issuing the buckets' collectives from ddpc's posting thread saves the host path
         # of the backward: issued by the thread that runs the gradient hooks instead
         # (DDPC_NCCL_POST_THREAD=0, read when a reducer is made).
-        inline = {"DDPC_NCCL_POST_THREAD": "0"}
-        variants += [Variant("ddpc inline posts", lambda m: ddpc.wrap_model(m), env=inline),
-                     Variant("ddpc bf16 inline posts",
-                             lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16),
-                             env=inline)]
+        variants += pair("ddpc inline posts", "ddpc bf16 inline posts",
+                         env={"DDPC_NCCL_POST_THREAD": "0"})
     if args.hook_cost:
         # What the hook mechanism alone costs the backward's host thread: the model without DDP
         # on every rank (as "no DDP, every rank"), with a Python post-accumulate-grad hook on
@@ -314,32 +314,22 @@ def _worker(rank, args, ports, results):
             return w
         variants.append(Variant("ddpc bf16 via bucket", via_bucket))
     for cap in args.extra_caps:
-        variants.append(Variant(f"ddpc bucket_cap_mb={cap:g}",
-                                lambda m, cap=cap: ddpc.wrap_model(m, bucket_cap_mb=cap)))
-        variants.append(Variant(f"ddpc bf16 bucket_cap_mb={cap:g}",
-                                lambda m, cap=cap: ddpc.wrap_model(m, bucket_cap_mb=cap,
-                                                                   grad_dtype=torch.bfloat16)))
+        variants += pair(f"ddpc bucket_cap_mb={cap:g}", f"ddpc bf16 bucket_cap_mb={cap:g}",
+                         bucket_cap_mb=cap)
     if args.control:
         # The default ddpc wrapper a second time: what two identical variants differ by in this
         # run is its noise, the floor under which a paired difference means nothing.
-        variants += [Variant("ddpc (control)", lambda m: ddpc.wrap_model(m)),
-                     Variant("ddpc bf16 (control)",
-                             lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16))]
+        variants += pair("ddpc (control)", "ddpc bf16 (control)")
     for tail in args.tail_mb:
         # What buckets of their own for the gradients that complete last save the end of
         # backward (DDPC_TAIL_BUCKET_MB, read as the reducer assigns the buckets), at the default
         # caps and at each of --extra-caps.
         env = {"DDPC_TAIL_BUCKET_MB": f"{tail:g}"}
-        variants += [Variant(f"ddpc tail={tail:g}", lambda m: ddpc.wrap_model(m), env=env),
-                     Variant(f"ddpc bf16 tail={tail:g}",
-                             lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16), env=env)]
+        variants += pair(f"ddpc tail={tail:g}", f"ddpc bf16 tail={tail:g}", env=env)
         for cap in args.extra_caps:
-            variants += [
-                Variant(f"ddpc bucket_cap_mb={cap:g} tail={tail:g}",
-                        lambda m, cap=cap: ddpc.wrap_model(m, bucket_cap_mb=cap), env=env),
-                Variant(f"ddpc bf16 bucket_cap_mb={cap:g} tail={tail:g}",
-                        lambda m, cap=cap: ddpc.wrap_model(m, bucket_cap_mb=cap,
-                                                           grad_dtype=torch.bfloat16), env=env)]
+            variants += pair(f"ddpc bucket_cap_mb={cap:g} tail={tail:g}",
+                             f"ddpc bf16 bucket_cap_mb={cap:g} tail={tail:g}", env=env,
+                             bucket_cap_mb=cap)
     if args.variants:
         # (";" separates names when one has a comma: "no DDP, every rank"; a whole name alone
         # is taken as it is)
@@ -530,9 +520,10 @@ def main() -> int:
           + (", bf16 autocast, fused AdamW" if args.device == "cuda" else ", fp32, AdamW"))
     print("env: " + ", ".join(f"{k}={'<unset>' if v is None else v}" for k, v in env.items()))
     mem_name = "+max_memory_allocated" if args.device == "cuda" else "+peak RSS"
+    w = max([32] + [len(r[0]) for r in rows])  # (the names' column)
     ref = next((ms for name, ms, *_ in rows if name == "torch DDP"), rows[0][1])
     single = next(((ms, r) for name, ms, _, r, _ in rows if name.startswith("1 process")), None)
-    print(f"{'variant':32s} {'ms/step':>9s} {'vs torch DDP':>13s} {'scaling eff.':>13s} "
+    print(f"{'variant':{w}s} {'ms/step':>9s} {'vs torch DDP':>13s} {'scaling eff.':>13s} "
           f"{'paired':>7s} {mem_name + ' MiB':>26s}")
     out_rows = []
     for name, ms, mem, rounds, _ in rows:
@@ -541,7 +532,7 @@ def main() -> int:
         paired = None
         if single and not is_single and rounds and len(rounds) == len(single[1]):
             paired = statistics.median(a / b for a, b in zip(single[1], rounds))
-        print(f"{name:32s} {ms:9.1f} {ms / ref:13.2f} "
+        print(f"{name:{w}s} {ms:9.1f} {ms / ref:13.2f} "
               f"{'' if eff is None else f'{eff:.2f}':>13s} "
               f"{'' if paired is None else f'{paired:.3f}':>7s} {mem:26.0f}")
         out_rows.append({"variant": name, "ms_per_step": ms, "vs_torch_ddp": ms / ref,
@@ -555,12 +546,12 @@ def main() -> int:
         # GPU backward in two: up to where its end of backward begins on the stream (the
         # backward's kernels and the gradients' copies or casts, beside the collectives already
         # running), and from there (the wait for the last collectives, the casts back).
-        print(f"{'phases, median ms':32s} {'host fwd':>9s} {'bwd':>6s} {'opt':>6s}   "
+        print(f"{'phases, median ms':{w}s} {'host fwd':>9s} {'bwd':>6s} {'opt':>6s}   "
               f"{'GPU fwd':>8s} {'bwd':>6s} {'opt':>6s}   {'bwd: to end':>11s} {'end':>6s}")
         for name, _, _, _, ph in rows:
             if ph:
                 split = ("" if math.isnan(ph[6]) else f"   {ph[6]:11.2f} {ph[7]:6.2f}")
-                print(f"{name:32s} {ph[0]:9.2f} {ph[1]:6.2f} {ph[2]:6.2f}   {ph[3]:8.2f} "
+                print(f"{name:{w}s} {ph[0]:9.2f} {ph[1]:6.2f} {ph[2]:6.2f}   {ph[3]:8.2f} "
                       f"{ph[4]:6.2f} {ph[5]:6.2f}{split}")
         for r in out_rows:
             ph = next(p for n, _, _, _, p in rows if n == r["variant"])
@@ -575,11 +566,11 @@ def main() -> int:
         # (launch also counts in end-of-backward when it ran there); the end of backward.
         keys = ["forward", "hooks", "hook_calls", "wire", "memory", "attach", "python", "mark",
                 "launch", "end_of_backward"]
-        print(f"{'ddpc host ms per step (rank 0)':32s} " + " ".join(
+        print(f"{'ddpc host ms per step (rank 0)':{w}s} " + " ".join(
             f"{k.replace('end_of_backward', 'end_bwd').replace('hook_calls', 'calls'):>8s}"
             for k in keys))
         for name, t in wrapper_ms.items():
-            print(f"{name:32s} " + " ".join(
+            print(f"{name:{w}s} " + " ".join(
                 f"{t[k]:8.0f}" if k == "hook_calls" else f"{t[k]:8.2f}" for k in keys))
         for r in out_rows:
             r["ddpc_host_ms"] = wrapper_ms.get(r["variant"])
