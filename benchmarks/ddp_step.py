@@ -135,6 +135,8 @@ class Variant:
         self.phases = []  # per timed step: host ms and GPU ms of forward, backward, optimizer,
         # and for ddpc the GPU backward split where its end of backward begins (see _build)
         self._end_ev = None
+        self._trace = None  # the ddpc.comm_trace of a traced step (--trace)
+        self.traced = []  # per traced step: its marks and buckets (trace_summary)
         self.mem = float("nan")
 
     def build(self, cfg, args, device, rank) -> None:
@@ -174,6 +176,8 @@ class Variant:
             def marked_finalize() -> None:
                 if self._end_ev is not None:
                     self._end_ev.record()
+                if self._trace is not None:
+                    self._trace.mark("end")
                 finalize()
             self.model._finalize_on_device = marked_finalize
         fused = {"fused": True} if device.type == "cuda" else {}
@@ -182,6 +186,19 @@ class Variant:
         self.cfg, self.device = cfg, device
         for _ in range(args.warmup):
             self.step(timed=False)
+
+    def traced_step(self) -> None:
+        """One untimed step inside ddpc.comm_trace, with marks where backward begins, where
+        ddpc's end of backward begins, and where backward and the optimizer return."""
+        import ddpc
+        torch.cuda.synchronize()
+        with ddpc.comm_trace() as trace:
+            self._trace = trace
+            try:
+                self.step(timed=False)
+            finally:
+                self._trace = None
+        self.traced.append(trace_summary(trace))
 
     def step(self, timed: bool = True) -> None:
         cfg, device = self.cfg, self.device
@@ -206,11 +223,17 @@ class Variant:
             logits = self.model(x)
         loss = F.cross_entropy(logits.float().view(-1, cfg["vocab"]), y.view(-1))
         mark()
+        if self._trace is not None:
+            self._trace.mark("backward")
         loss.backward()
         mark()
+        if self._trace is not None:
+            self._trace.mark("backward returned")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         mark()
+        if self._trace is not None:
+            self._trace.mark("optimizer returned")
         if cuda:
             torch.cuda.synchronize()
         if timed:
@@ -224,6 +247,59 @@ class Variant:
         self._end_ev = None
         if not math.isfinite(loss.item()):
             raise RuntimeError(f"{self.name}: the loss is {loss.item()}")
+
+
+def trace_summary(trace) -> dict:
+    """A traced step, in ms after its backward began on this rank: the marks, and per
+    collective (the gradient buckets, in posting order) its bytes, path and five points."""
+    marks = dict(trace.marks)
+    t0 = marks["backward"]
+    return {"marks": {k: v - t0 for k, v in marks.items()},
+            "buckets": [(r.nbytes, r.path, r.ready - t0, r.start - t0, r.wire - t0,
+                         r.reduced - t0, r.done - t0) for r in trace.rows]}
+
+
+def print_traces(name: str, per_rank: list) -> None:
+    """The buckets of a variant's traced steps, medians over the steps, every rank side by side
+    (r0/r1/...): when each bucket's gradients were ready, how long it queued (for ddpc's posting
+    thread to issue it, then behind the collectives before it on the communication stream), how
+    long its collective took, and when it was done;
+    then where the end of backward began and backward returned. Each rank's times count from
+    its own backward's start; subtracting rank r's `offset` puts its times on rank 0's clock
+    (taken from the moment the last collective ended, the same on every rank). Of a bucket's
+    `took`, the smallest over the ranks is about its transfer; the rest, on the other ranks,
+    is waiting for the last rank to arrive."""
+    steps = min(len(t) for t in per_rank)
+    if not steps:
+        return
+    nb = min(len(t[0]["buckets"]) for t in per_rank)
+
+    def med(r, f):
+        return statistics.median(f(per_rank[r][s]) for s in range(steps))
+
+    ranks = range(len(per_rank))
+
+    def cell(f, width=6):
+        return "/".join(f"{med(r, f):{width}.2f}" for r in ranks)
+    last = nb - 1
+    offs = [statistics.median(per_rank[r][s]["buckets"][last][5]
+                              - per_rank[0][s]["buckets"][last][5] for s in range(steps))
+            for r in ranks]
+    print(f"trace of {name}: {steps} steps, {nb} collectives a step; ms after backward began "
+          f"(rank " + "/".join(str(r) for r in ranks) + "); offset of each rank's clock: "
+          + "/".join(f"{o:.2f}" for o in offs))
+    print(f"{'#':>4s} {'MiB':>7s} {'path':<8s} {'ready':>20s} {'queued':>20s} {'took':>20s} "
+          f"{'done':>20s}")
+    for k in range(nb):
+        nbytes, path = per_rank[0][0]["buckets"][k][:2]
+        print(f"{k:4d} {nbytes / 2**20:7.1f} {path:<8s} "
+              f"{cell(lambda t: t['buckets'][k][2]):>20s} "
+              f"{cell(lambda t: t['buckets'][k][3] - t['buckets'][k][2]):>20s} "
+              f"{cell(lambda t: t['buckets'][k][5] - t['buckets'][k][4]):>20s} "
+              f"{cell(lambda t: t['buckets'][k][6]):>20s}")
+    for label in ("end", "backward returned", "optimizer returned"):
+        if all(label in per_rank[r][0]["marks"] for r in ranks):
+            print(f"     {label:<17s} {cell(lambda t: t['marks'][label]):>20s}")
 
 
 def worker(rank, args, ports, results):
@@ -358,6 +434,13 @@ def _worker(rank, args, ports, results):
                     v.step()
             if v.single:
                 tdist.barrier()
+    for v in variants:
+        # (every rank traces the same variants in the same order: the steps' collectives pair)
+        if (args.trace and args.device == "cuda" and not v.single
+                and hasattr(v.model, "_finalize_on_device")):
+            for _ in range(args.trace):
+                v.traced_step()
+    traces = [(v.name, v.traced) for v in variants if v.traced]
     mine = [(v.name, statistics.median(v.times) if v.times else None, v.mem, v.times,
              [statistics.median(col) for col in zip(*v.phases)] if v.phases else None)
             for v in variants]
@@ -385,7 +468,11 @@ def _worker(rank, args, ports, results):
             t = v.model.host_times()
             steps = max(t.pop("steps"), 1.0)
             wrapper_ms[v.name] = {k: x / steps for k, x in t.items()}
-    results.put((rank, "ok", (rows, describe_env(device), wrapper_ms)))
+    every_trace = [None] * n
+    tdist.all_gather_object(every_trace, traces)
+    traces = [(name, [every_trace[r][k][1] for r in range(n)])
+              for k, (name, _) in enumerate(traces)]
+    results.put((rank, "ok", (rows, describe_env(device), wrapper_ms, traces)))
     tdist.destroy_process_group()
     ddpc.destroy_process_group()
 
@@ -455,11 +542,18 @@ def main() -> int:
     ap.add_argument("--no-ddp-every-rank", action="store_true",
                     help="also time the model without DDP on every rank at once: what the ranks "
                          "cost each other on the host, with no communication")
+    ap.add_argument("--trace", type=int, default=0, metavar="STEPS",
+                    help="cuda: after the timed steps, run this many more steps of each ddpc "
+                         "variant inside ddpc.comm_trace and print when each gradient bucket "
+                         "was ready, queued, reduced and done, every rank side by side")
     ap.add_argument("--timeout", type=float, default=200.0,
                     help="seconds before the workers are stopped (default 200)")
     args = ap.parse_args()
     if args.nproc < 1:
         ap.error(f"--nproc must be >= 1, got {args.nproc}")
+    if args.trace < 0 or (args.trace and args.device != "cuda"):
+        ap.error(f"--trace {args.trace}: give a number of steps, with --device cuda (the trace "
+                 f"reads CUDA events)")
     args.steps = args.steps or (30 if args.device == "cuda" else 10)
     args.model = args.model or ("gpt2" if args.device == "cuda" else "small")
     if args.device == "cuda":
@@ -503,7 +597,7 @@ def main() -> int:
         if status != "ok":
             failed.append((rank, value))
         elif rank == 0:
-            rows, env, wrapper_ms = value
+            rows, env, wrapper_ms, traces = value
     for p in procs:
         p.join(timeout=30 if failed else None)
         if p.is_alive():
@@ -574,6 +668,8 @@ def main() -> int:
                 f"{t[k]:8.0f}" if k == "hook_calls" else f"{t[k]:8.2f}" for k in keys))
         for r in out_rows:
             r["ddpc_host_ms"] = wrapper_ms.get(r["variant"])
+    for name, per_rank in traces:
+        print_traces(name, per_rank)
     wall = time.monotonic() - t_start
     print(f"({wall:.0f} s in all; ms/step: median over the timed steps, slowest rank; paired: "
           f"median over rounds of the 1-process time / this variant's time in the same round; "

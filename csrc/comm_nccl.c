@@ -18,6 +18,7 @@
 #include "fastar.h"
 #include "group.h"
 #include "staged.h"
+#include "trace.h"
 
 /* ---------------------------------------------------------------- the part of NCCL's ABI we use */
 
@@ -359,6 +360,7 @@ typedef struct NcclWorkData {
     cudaEvent_t ready;
     struct DdpcWork *post_next;
     int posted; /* guarded by NcclImpl.mu */
+    DdpcTraceRec *trace; /* its row of the group's trace, or NULL when not traced */
 } NcclWorkData;
 
 typedef struct NcclImpl {
@@ -392,6 +394,9 @@ typedef struct NcclImpl {
     pthread_cond_t posted_cv; /* threads waiting for a post to be issued wait here */
     int posted_waiters;
     DdpcWork *post_head, *post_tail;
+    /* The trace on (ddpc_group_trace_start), or NULL. Taken, started and stopped under g->mu;
+     * stopped only after the posting thread has issued what was posted before. */
+    DdpcTrace *trace;
 } NcclImpl;
 
 /* What a fast call was, for the message when it fails (the kernel reports only its epoch). */
@@ -887,6 +892,8 @@ static ddpc_status exchange_id(DdpcGroup *g, int64_t deadline, ncclUniqueId *id)
 }
 
 static void impl_free(NcclImpl *im) {
+    ddpc_trace_free(im->trace); /* (a trace never stopped) */
+    im->trace = NULL;
     fast_free(im, 1); /* a clean shutdown freed it already (fast_teardown) */
     if (im->staged) ddpc_staged_close(im->staged, (uintptr_t)im->stream, 1);
     im->staged = NULL;
@@ -1560,7 +1567,14 @@ static ddpc_status nccl_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *a, uint
     c->count = a->count;
     c->dtype = a->dtype;
     c->redop = a->redop;
+    DdpcTraceRec *tr = im->trace ? ddpc_trace_take(im->trace, seq, a->op, a->dtype, a->count,
+                                                   DDPC_TRACE_ONESHOT, 0)
+                                 : NULL;
+    for (int p = DDPC_TRACE_READY; tr && p <= DDPC_TRACE_WIRE; p++)
+        DDPC_CHECK_GOTO(ddpc_trace_record(tr, p, a->stream), st, fail);
     DDPC_CHECK_GOTO(ddpc_fast_launch(&fa, a->stream), st, fail);
+    for (int p = DDPC_TRACE_REDUCED; tr && p <= DDPC_TRACE_DONE; p++)
+        DDPC_CHECK_GOTO(ddpc_trace_record(tr, p, a->stream), st, fail);
     /* Marks this call's end, for the next call on another stream and for teardown, without ever
      * touching an older stream (its owner may have destroyed it since). */
     DDPC_CUDACHECK_GOTO(cudaEventRecord(f->chain, (cudaStream_t)a->stream), st, fail);
@@ -1777,10 +1791,14 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w, cudaEvent_t pos) {
                       : NULL;
     /* The caller's work preparing the input, on this stream (ordered after the caller's by
      * nccl_post); a staged all-reduce then starts from here, not from the caller's position. */
+    DDPC_CHECK_GOTO(ddpc_trace_record(wd->trace, DDPC_TRACE_START, (uintptr_t)im->stream), st,
+                    fail);
     if (a->before) {
         DDPC_CHECK_GOTO(a->before(a->hook_ctx, (uintptr_t)im->stream), st, fail);
         if (ready) DDPC_CUDACHECK_GOTO(cudaEventRecord(pos, im->stream), st, fail);
     }
+    DDPC_CHECK_GOTO(ddpc_trace_record(wd->trace, DDPC_TRACE_WIRE, (uintptr_t)im->stream), st,
+                    fail);
     pthread_mutex_lock(&im->comm_mu);
     if (!im->comm) {
         pthread_mutex_unlock(&im->comm_mu);
@@ -1791,6 +1809,7 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w, cudaEvent_t pos) {
         a->count * ddpc_dtype_size(a->dtype) >= im->staged_min_bytes &&
         ddpc_staged_supported(a->dtype, a->redop)) {
         wd->staged = 1;
+        ddpc_trace_set_path(wd->trace, DDPC_TRACE_STAGED);
         st = ddpc_staged_all_reduce(im->staged, a->recv, a->count, a->dtype, a->redop,
                                     (uintptr_t)im->stream, ready);
         pthread_mutex_unlock(&im->comm_mu);
@@ -1804,9 +1823,13 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w, cudaEvent_t pos) {
         st = nccl_fail(r, name, __FILE__, __LINE__);
         goto fail;
     }
+    DDPC_CHECK_GOTO(ddpc_trace_record(wd->trace, DDPC_TRACE_REDUCED, (uintptr_t)im->stream), st,
+                    fail);
     /* The caller's work on the result, behind the collective on this stream (the current device
      * is the communicator's: nccl_post set it). */
     if (a->after) DDPC_CHECK_GOTO(a->after(a->hook_ctx, (uintptr_t)im->stream), st, fail);
+    DDPC_CHECK_GOTO(ddpc_trace_record(wd->trace, DDPC_TRACE_DONE, (uintptr_t)im->stream), st,
+                    fail);
     DDPC_CUDACHECK_GOTO(cudaEventRecord(wd->done, im->stream), st, fail);
     atomic_store(&wd->enqueued, 1);
     return DDPC_OK;
@@ -1987,6 +2010,11 @@ static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
     }
     atomic_init(&wd->enqueued, 0);
     DDPC_CHECK_GOTO(pool_get(im, &wd->done), st, fail_wd);
+    if (im->trace) {
+        wd->trace = ddpc_trace_take(im->trace, w->seq, a->op, a->dtype, a->count,
+                                    DDPC_TRACE_NCCL, defer);
+        DDPC_CHECK_GOTO(ddpc_trace_record(wd->trace, DDPC_TRACE_READY, a->stream), st, fail_ev);
+    }
     if (defer) {
         /* The caller's stream position, for the posting thread to make the communication stream
          * wait for; then the work joins the watchdog's queue and the posting queue, in the same
@@ -2150,6 +2178,100 @@ static void nccl_destroy(DdpcGroup *g) {
     if (prev >= 0 && prev != device) CUDA_LOG(cudaSetDevice(prev));
 }
 
+/* ---------------------------------------------------------------- the collectives trace */
+
+static ddpc_status no_impl(DdpcGroup *g) {
+    return ddpc_error(DDPC_ERR_INVALID, "the nccl process group of rank %d was destroyed",
+                      g->rank);
+}
+
+/* Runs fn(im, arg) with the communicator's device current. */
+static ddpc_status on_device(NcclImpl *im, ddpc_status (*fn)(NcclImpl *, void *), void *arg) {
+    int prev = -1;
+    DDPC_CUDACHECK(cudaGetDevice(&prev));
+    if (prev != im->device) DDPC_CUDACHECK(cudaSetDevice(im->device));
+    ddpc_status st = fn(im, arg);
+    if (prev != im->device) {
+        cudaError_t e = cudaSetDevice(prev);
+        if (e != cudaSuccess && st == DDPC_OK)
+            st = ddpc_error(DDPC_ERR_CUDA, "restoring the current device %d failed: %s", prev,
+                            cudaGetErrorString(e));
+    }
+    return st;
+}
+
+static ddpc_status trace_start_on(NcclImpl *im, void *arg) {
+    DdpcTrace *t = NULL;
+    DDPC_CHECK(ddpc_trace_create(*(size_t *)arg, &t));
+    if (im->trace) {
+        /* The posting thread may still record into the old one. */
+        ddpc_status st = wait_posted(im, NULL);
+        if (st != DDPC_OK) {
+            ddpc_trace_free(t);
+            return st;
+        }
+        ddpc_trace_free(im->trace);
+    }
+    im->trace = t;
+    return DDPC_OK;
+}
+
+static ddpc_status nccl_trace_start(DdpcGroup *g, size_t capacity) {
+    NcclImpl *im = g->impl;
+    if (!im) return no_impl(g);
+    return on_device(im, trace_start_on, &capacity);
+}
+
+static ddpc_status trace_mark_on(NcclImpl *im, void *arg) {
+    uintptr_t stream = *(uintptr_t *)arg;
+    DdpcTraceRec *r = ddpc_trace_take(im->trace, im->g->next_seq, -1, 0, 0, DDPC_TRACE_MARK, 0);
+    ddpc_status st = ddpc_trace_record(r, DDPC_TRACE_READY, stream);
+    if (st != DDPC_OK)
+        ddpc_error_prefix(st, "a trace mark on rank %d (the stream must belong to cuda:%d): ",
+                          im->g->rank, im->device);
+    return st;
+}
+
+static ddpc_status nccl_trace_mark(DdpcGroup *g, uintptr_t stream) {
+    NcclImpl *im = g->impl;
+    if (!im) return no_impl(g);
+    if (!im->trace)
+        return ddpc_error(DDPC_ERR_INVALID, "no trace is on for this process group: start one "
+                          "first (ddpc.comm_trace())");
+    return on_device(im, trace_mark_on, &stream);
+}
+
+static ddpc_status nccl_trace_stop(DdpcGroup *g, void **detached) {
+    NcclImpl *im = g->impl;
+    if (!im) return no_impl(g);
+    if (!im->trace)
+        return ddpc_error(DDPC_ERR_INVALID, "no trace is on for this process group: start one "
+                          "first (ddpc.comm_trace())");
+    /* The posting thread records the points of the deferred posts: it must be done with them.
+     * (Interrupted, the trace stays on, and a later stop or the group's end frees it.) */
+    DDPC_CHECK(wait_posted(im, NULL));
+    *detached = im->trace;
+    im->trace = NULL;
+    return DDPC_OK;
+}
+
+static ddpc_status trace_check(void *ctx) {
+    DdpcGroup *g = ctx;
+    ddpc_status st = ddpc_group_check_abort(g);
+    if (st != DDPC_OK)
+        ddpc_error_prefix(st, "the trace's collectives failed, so their times cannot be read: ");
+    return st;
+}
+
+static ddpc_status nccl_trace_collect(DdpcGroup *g, void *detached, DdpcTraceRow **rows,
+                                      size_t *n, uint64_t *dropped) {
+    DdpcTrace *t = detached;
+    ddpc_status st = ddpc_trace_collect(t, ddpc_deadline(g->timeout_ms), trace_check, g, rows, n,
+                                        dropped);
+    ddpc_trace_free(t);
+    return st;
+}
+
 const DdpcBackendOps ddpc_backend_nccl = {
     .name = "nccl",
     .init = nccl_init,
@@ -2159,6 +2281,10 @@ const DdpcBackendOps ddpc_backend_nccl = {
     .abort = nccl_abort_hook,
     .destroy = nccl_destroy,
     .work_free = nccl_work_free,
+    .trace_start = nccl_trace_start,
+    .trace_mark = nccl_trace_mark,
+    .trace_stop = nccl_trace_stop,
+    .trace_collect = nccl_trace_collect,
 };
 
 #else /* !DDPC_WITH_CUDA */

@@ -245,6 +245,51 @@ size_t ddpc_group_staged_min_bytes(const DdpcGroup *g);
 /* How many collectives so far a backend thread issued for their caller (DdpcCollArgs.defer);
  * 0 on the cpu backend, which has no such thread. */
 uint64_t ddpc_group_deferred_count(DdpcGroup *g);
+
+/* The device timeline of a group's collectives (nccl backend): while a trace is on, each
+ * collective records CUDA events at five points, and a mark records one on a given stream.
+ *   READY    the caller's stream reached the post (its input is complete there)
+ *   START    the communication stream began it (behind the collectives before it)
+ *   WIRE     its input prepared there (the post's `before` work, e.g. a cast: else = START)
+ *   REDUCED  the collective itself finished (NCCL's kernel, or the staged path's last step)
+ *   DONE     the post's `after` work finished too (else = REDUCED)
+ * One-shot all-reduces run on the caller's stream: READY = START = WIRE, REDUCED = DONE. */
+enum {
+    DDPC_TRACE_READY = 0,
+    DDPC_TRACE_START = 1,
+    DDPC_TRACE_WIRE = 2,
+    DDPC_TRACE_REDUCED = 3,
+    DDPC_TRACE_DONE = 4,
+    DDPC_TRACE_POINTS = 5
+};
+typedef enum ddpc_trace_path {
+    DDPC_TRACE_MARK = 0,    /* a mark, not a collective */
+    DDPC_TRACE_NCCL = 1,
+    DDPC_TRACE_STAGED = 2,  /* the copy-engine path through host memory */
+    DDPC_TRACE_ONESHOT = 3, /* the one-shot kernel for small all-reduces */
+} ddpc_trace_path;
+typedef struct DdpcTraceRow {
+    uint64_t seq;           /* the collective's sequence number (a mark's: the next one's) */
+    int op;                 /* ddpc_coll, -1 for a mark */
+    int dtype;              /* ddpc_dtype */
+    size_t count;           /* elements per rank */
+    int path;               /* ddpc_trace_path */
+    int deferred;           /* issued by the posting thread */
+    /* milliseconds after the trace's first mark (or its first event); a mark has only
+     * ms[DDPC_TRACE_READY]; the other points of a mark, and points never recorded, are NaN */
+    double ms[DDPC_TRACE_POINTS];
+} DdpcTraceRow;
+/* Starts a trace of room for `capacity` rows (collectives and marks; later ones are counted as
+ * dropped), replacing one already on. Only the nccl backend traces: others fail, saying so. */
+ddpc_status ddpc_group_trace_start(DdpcGroup *g, size_t capacity);
+/* Records a mark on `stream` (a cudaStream_t of the group's device). Fails with no trace on. */
+ddpc_status ddpc_group_trace_mark(DdpcGroup *g, uintptr_t stream);
+/* Ends the trace: waits (in slices, interruptibly, at most the group's timeout) for every
+ * recorded event, then returns the rows in recording order (*rows malloc'd, free() it; NULL
+ * when *n is 0) and how many did not fit. */
+ddpc_status ddpc_group_trace_stop(DdpcGroup *g, DdpcTraceRow **rows, size_t *n,
+                                  uint64_t *dropped);
+
 /* Blocks (interruptibly, in slices) until the work is done or its deadline passes. For device
  * work this waits for the host side only when host is set; otherwise see ddpc_work_wait_stream. */
 ddpc_status ddpc_work_wait(DdpcWork *w);

@@ -289,6 +289,46 @@ size_t ddpc_group_fast_max_bytes(const DdpcGroup *g) { return g->fast_max_bytes;
 size_t ddpc_group_staged_min_bytes(const DdpcGroup *g) { return g->staged_min_bytes; }
 uint64_t ddpc_group_deferred_count(DdpcGroup *g) { return atomic_load(&g->n_deferred); }
 
+static ddpc_status no_trace(const DdpcGroup *g) {
+    return ddpc_error(DDPC_ERR_INVALID, "the %s backend keeps no device timeline: tracing "
+                      "collectives needs the nccl backend (CUDA tensors, "
+                      "init_process_group(backend='nccl'))", g->ops->name);
+}
+
+ddpc_status ddpc_group_trace_start(DdpcGroup *g, size_t capacity) {
+    if (!g->ops->trace_start) return no_trace(g);
+    if (capacity == 0)
+        return ddpc_error(DDPC_ERR_INVALID, "a trace needs room for at least one row: pass a "
+                          "capacity of 1 or more");
+    pthread_mutex_lock(&g->mu);
+    ddpc_status st = g->ops->trace_start(g, capacity);
+    pthread_mutex_unlock(&g->mu);
+    return st;
+}
+
+ddpc_status ddpc_group_trace_mark(DdpcGroup *g, uintptr_t stream) {
+    if (!g->ops->trace_mark) return no_trace(g);
+    pthread_mutex_lock(&g->mu);
+    ddpc_status st = g->ops->trace_mark(g, stream);
+    pthread_mutex_unlock(&g->mu);
+    return st;
+}
+
+ddpc_status ddpc_group_trace_stop(DdpcGroup *g, DdpcTraceRow **rows, size_t *n,
+                                  uint64_t *dropped) {
+    *rows = NULL;
+    *n = 0;
+    *dropped = 0;
+    if (!g->ops->trace_stop) return no_trace(g);
+    void *detached = NULL;
+    pthread_mutex_lock(&g->mu);
+    ddpc_status st = g->ops->trace_stop(g, &detached);
+    pthread_mutex_unlock(&g->mu);
+    if (st != DDPC_OK) return st;
+    /* Without the lock: waiting for the events must not hold up other threads' collectives. */
+    return g->ops->trace_collect(g, detached, rows, n, dropped);
+}
+
 ddpc_status ddpc_group_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *args, int *ran) {
     *ran = 0;
     if (!g->ops->all_reduce_now || args->op != DDPC_COLL_ALLREDUCE) return DDPC_OK;

@@ -41,6 +41,14 @@ typedef struct DdpcBackendOps {
     void (*destroy)(DdpcGroup *g);
     /* Optional: frees w->backend_data when the last reference goes. */
     void (*work_free)(DdpcWork *w);
+    /* Optional, all three or none (nccl): ddpc_group_trace_*, called with g->mu held. Stop
+     * detaches the trace under it and returns it in *detached; trace_collect then waits for its
+     * events and frees it without the lock. */
+    ddpc_status (*trace_start)(DdpcGroup *g, size_t capacity);
+    ddpc_status (*trace_mark)(DdpcGroup *g, uintptr_t stream);
+    ddpc_status (*trace_stop)(DdpcGroup *g, void **detached);
+    ddpc_status (*trace_collect)(DdpcGroup *g, void *detached, DdpcTraceRow **rows, size_t *n,
+                                 uint64_t *dropped);
 } DdpcBackendOps;
 
 struct DdpcGroup {

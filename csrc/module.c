@@ -617,6 +617,65 @@ static PyObject *Group_get_deferred_count(GroupObject *self, void *c) {
     return PyLong_FromUnsignedLongLong(ddpc_group_deferred_count(self->g));
 }
 
+/* trace_start(capacity) */
+static PyObject *Group_trace_start(GroupObject *self, PyObject *args) {
+    Py_ssize_t capacity;
+    if (!PyArg_ParseTuple(args, "n", &capacity)) return NULL;
+    if (!group_ready(self)) return NULL;
+    if (capacity < 1) {
+        PyErr_Format(PyExc_ValueError, "a trace needs room for at least one row, got capacity=%zd",
+                     capacity);
+        return NULL;
+    }
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_group_trace_start(self->g, (size_t)capacity));
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    Py_RETURN_NONE;
+}
+
+/* trace_mark(stream) */
+static PyObject *Group_trace_mark(GroupObject *self, PyObject *args) {
+    unsigned long long stream;
+    if (!PyArg_ParseTuple(args, "K", &stream)) return NULL;
+    if (!group_ready(self)) return NULL;
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_group_trace_mark(self->g, (uintptr_t)stream));
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    Py_RETURN_NONE;
+}
+
+/* trace_stop() -> (rows, dropped); a row is (seq, op, dtype, count, path, deferred, ready, start,
+ * wire, reduced, done), the times in ms (NaN where not recorded). */
+static PyObject *Group_trace_stop(GroupObject *self, PyObject *unused) {
+    (void)unused;
+    if (!group_ready(self)) return NULL;
+    DdpcTraceRow *rows = NULL;
+    size_t n = 0;
+    uint64_t dropped = 0;
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_group_trace_stop(self->g, &rows, &n, &dropped));
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    if (!list) {
+        free(rows);
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const DdpcTraceRow *r = &rows[i];
+        PyObject *t = Py_BuildValue("(Kiinii" "ddddd)", (unsigned long long)r->seq, r->op,
+                                    r->dtype, (Py_ssize_t)r->count, r->path, r->deferred,
+                                    r->ms[0], r->ms[1], r->ms[2], r->ms[3], r->ms[4]);
+        if (!t) {
+            Py_DECREF(list);
+            free(rows);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    }
+    free(rows);
+    return Py_BuildValue("(NK)", list, (unsigned long long)dropped);
+}
+
 static PyGetSetDef Group_getset[] = {
     {"rank", (getter)Group_get_rank, NULL, NULL, NULL},
     {"world_size", (getter)Group_get_size, NULL, NULL, NULL},
@@ -640,6 +699,12 @@ static PyMethodDef Group_methods[] = {
     {"all_reduce_now", (PyCFunction)(void (*)(void))Group_all_reduce_now, METH_FASTCALL,
      "all_reduce_now(ptr, count, dtype, redop, device, stream) -> bool: a synchronous all-reduce "
      "on the caller's stream without a Work when the backend has a path for it; False: post it"},
+    {"trace_start", (PyCFunction)Group_trace_start, METH_VARARGS,
+     "trace_start(capacity): record CUDA events at each collective's points from now on (nccl)"},
+    {"trace_mark", (PyCFunction)Group_trace_mark, METH_VARARGS,
+     "trace_mark(stream): a mark on the stream; the first one is the trace's time zero"},
+    {"trace_stop", (PyCFunction)Group_trace_stop, METH_NOARGS,
+     "trace_stop() -> (rows, dropped): wait for the trace's events and return its rows"},
     {"abort", (PyCFunction)Group_abort, METH_VARARGS,
      "abort(why): fail this and every later collective on every rank with this message"},
     {"destroy", (PyCFunction)Group_destroy, METH_NOARGS, "free the group"},

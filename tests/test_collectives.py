@@ -664,3 +664,23 @@ def test_sparse_tensor_is_a_type_error(world_one):
     s = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,), check_invariants=True)
     with pytest.raises(TypeError, match="dense"):
         world_one.all_reduce(s)
+
+
+def test_comm_trace_refuses_the_cpu_backend_and_bad_capacities(world_one):
+    """The trace reads CUDA events: on the cpu backend it says so, in Python and in the C core."""
+    with pytest.raises(ValueError, match="capacity=0"):
+        world_one.comm_trace(capacity=0)
+    with pytest.raises(ValueError, match="capacity=True"):
+        world_one.comm_trace(capacity=True)
+    trace = world_one.comm_trace()
+    with pytest.raises(ValueError, match="backend is 'cpu'.*backend='nccl'"):
+        trace.__enter__()
+    with pytest.raises(RuntimeError, match="inside its `with` block"):
+        trace.mark("x")
+    g = world_one.distributed._default_group()
+    for call in (lambda: g.trace_start(4), lambda: g.trace_mark(0), g.trace_stop):
+        with pytest.raises(ValueError, match="cpu backend keeps no device "
+                           "timeline.*nccl backend"):
+            call()
+    with pytest.raises(ValueError, match="at least one row"):
+        g.trace_start(0)

@@ -494,6 +494,83 @@ def _w_staged(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dic
 # ------------------------------------------------------------------------- tests
 
 
+def _w_trace(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dict[str, Any]:
+    """ddpc.comm_trace on real collectives: one row per collective with its size, dtype and
+    path; the five points in order; a GPU sleep between a mark and the next collective shows as
+    that much time; wrap_model's buckets show as deferred all-reduces, one per bucket per step;
+    rows past the capacity are counted as dropped; and the misuses raise."""
+    import math
+    failures: List[str] = []
+    dev = torch.device("cuda", rank)
+    g = ddpc.distributed._require().group
+    try:
+        g.trace_stop()
+        failures.append("trace_stop with no trace on did not raise")
+    except ValueError as e:
+        if "no trace is on" not in str(e):
+            failures.append(f"trace_stop with no trace on said: {e}")
+    small = torch.ones(256, device=dev)                         # 1 KiB: one-shot where it is on
+    big = torch.full((16 << 20,), float(rank + 1), device=dev)   # 64 MiB of float32
+    half = torch.ones(1 << 20, device=dev, dtype=torch.bfloat16)
+    with ddpc.comm_trace() as trace:
+        ddpc.all_reduce(small)
+        trace.mark("sleep")
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time before the next input is ready
+        work = ddpc.all_reduce(big, async_op=True)
+        ddpc.broadcast(half, src=0)
+        work.wait()
+    one_shot = g.fast_max_bytes >= 1024
+    want = [("all_reduce", "float32", 256 * 4, "one-shot" if one_shot else "nccl"),
+            ("all_reduce", "float32", 64 << 20, "nccl"),
+            ("broadcast", "bfloat16", 2 << 20, "nccl")]
+    got = [(r.op, r.dtype, r.nbytes, r.path) for r in trace.rows]
+    if got != want:
+        failures.append(f"trace rows {got}, expected {want}")
+    if [m[0] for m in trace.marks] != ["start", "sleep"] or trace.marks[0][1] != 0.0:
+        failures.append(f"trace marks {trace.marks}")
+    seqs = [r.seq for r in trace.rows]
+    if seqs != sorted(seqs) or len(set(seqs)) != len(seqs):
+        failures.append(f"trace sequence numbers {seqs} are not increasing")
+    for r in trace.rows:
+        pts = [r.ready, r.start, r.wire, r.reduced, r.done]
+        if any(math.isnan(x) for x in pts) or any(b < a - 1e-3 for a, b in zip(pts, pts[1:])):
+            failures.append(f"{r.op} #{r.seq}: points out of order or missing: {pts}")
+    if len(trace.rows) == 3 and len(trace.marks) == 2:
+        gap = trace.rows[1].ready - trace.marks[1][1]
+        if not 20.0 < gap < 5000.0:
+            failures.append(f"a GPU sleep of about 100 ms before the all_reduce showed as "
+                            f"{gap:.3f} ms between the mark and its ready point")
+    if float(big[0]) != float(sum(range(1, world + 1))):
+        failures.append(f"the traced all_reduce gave {float(big[0])}")
+    # wrap_model: the buckets of two steps, each an all_reduce issued by the posting thread.
+    torch.manual_seed(0)
+    model = ddpc.wrap_model(torch.nn.Sequential(
+        torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 512)).to(dev),
+        bucket_cap_mb=1)
+    x = torch.randn(64, 512, device=dev)
+    model(x).sum().backward()  # the first step's layout is replaced after it: not traced
+    model.zero_grad(set_to_none=True)
+    with ddpc.comm_trace() as trace:
+        for _ in range(2):
+            model(x).sum().backward()
+            model.zero_grad(set_to_none=True)
+    buckets = model._reducer.num_buckets
+    reduces = [r for r in trace.rows if r.op == "all_reduce"]
+    if len(reduces) != 2 * buckets:
+        sizes = [(r.nbytes, r.path) for r in trace.rows]
+        failures.append(f"two traced steps gave {len(reduces)} bucket all-reduces, expected "
+                        f"{2 * buckets} ({buckets} buckets): {sizes}")
+    if world > 1 and not all(r.deferred for r in reduces if r.path == "nccl"):
+        failures.append("a bucket's all_reduce was not issued by the posting thread")
+    with ddpc.comm_trace(capacity=2) as trace:
+        for _ in range(3):
+            ddpc.all_reduce(big, async_op=True).wait()
+    if len(trace.rows) != 1 or trace.dropped != 2:
+        failures.append(f"capacity 2 (its start mark and one row) kept {len(trace.rows)} rows and "
+                        f"dropped {trace.dropped}, expected 1 and 2")
+    return {"failures": failures}
+
+
 def _assert_no_failures(res: Dict[int, Dict[str, Any]]) -> None:
     for r, out in res.items():
         assert not out["failures"], f"rank {r}:\n" + "\n".join(out["failures"])
@@ -546,6 +623,11 @@ def test_every_collective_and_dtype(world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_stream_ordering_and_async(world):
     _assert_no_failures(_run_ranks(_w_streams, world=world))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_comm_trace_times_real_collectives(world):
+    _assert_no_failures(_run_ranks(_w_trace, world=world))
 
 
 @needs_2

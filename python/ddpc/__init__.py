@@ -46,7 +46,7 @@ __version__ = "0.1.0"
 _LAZY = {"wrap_model": "parallel", "unwrap": "parallel", "DistributedModel": "parallel",
          "DistributedDataParallel": "parallel",
          "DistributedSampler": "sampler", "notebook_launcher": "notebook",
-         "WorkerError": "notebook"}
+         "WorkerError": "notebook", "comm_trace": "trace", "CommTrace": "trace"}
 
 
 def __getattr__(name):
