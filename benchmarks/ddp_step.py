@@ -191,8 +191,11 @@ class Variant:
         """One untimed step inside ddpc.comm_trace, with marks where backward begins, where
         ddpc's end of backward begins, and where backward and the optimizer return."""
         import ddpc
-        torch.cuda.synchronize()
-        with ddpc.comm_trace() as trace:
+        with ddpc.comm_trace(capacity=256) as trace:
+            # The ranks start the step together, as after any step's last all-reduce; the
+            # barrier's row comes before the step's mark and is left out.
+            ddpc.barrier()
+            torch.cuda.synchronize()
             self._trace = trace
             try:
                 self.step(timed=False)
@@ -200,14 +203,48 @@ class Variant:
                 self._trace = None
         self.traced.append(trace_summary(trace))
 
-    def step(self, timed: bool = True) -> None:
-        cfg, device = self.cfg, self.device
+    def batch(self):
+        cfg = self.cfg
         shape = (cfg["batch"], cfg["seq"])
-        x = torch.randint(0, cfg["vocab"], shape, generator=self.gen).to(device)
-        y = torch.randint(0, cfg["vocab"], shape, generator=self.gen).to(device)
-        cuda = device.type == "cuda"
+        x = torch.randint(0, cfg["vocab"], shape, generator=self.gen).to(self.device)
+        y = torch.randint(0, cfg["vocab"], shape, generator=self.gen).to(self.device)
+        return x, y
+
+    def run_round(self, k: int) -> None:
+        """--pipelined: k timed steps issued back to back, as a training loop that does not
+        wait for each step does, with one synchronize after the last; each gets the round's
+        mean. The batches are on the device first (a copy from pageable host memory would wait
+        for the GPU), and the losses are checked after the round."""
+        cuda = self.device.type == "cuda"
+        batches = [self.batch() for _ in range(k)]
         if cuda:
             torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        losses = [self.step(timed=False, data=b, sync=False) for b in batches]
+        if cuda:
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3 / k
+        self.times += [ms] * k
+        for loss in losses:
+            if not math.isfinite(loss.item()):
+                raise RuntimeError(f"{self.name}: the loss is {loss.item()}")
+
+    def step(self, timed: bool = True, data=None, sync: bool = True):
+        cfg, device = self.cfg, self.device
+        x, y = data if data is not None else self.batch()
+        cuda = device.type == "cuda"
+        if not sync:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                logits = self.model(x)
+            loss = F.cross_entropy(logits.float().view(-1, cfg["vocab"]), y.view(-1))
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            return loss.detach()
+        if cuda:
+            torch.cuda.synchronize()
+            if self._trace is not None:
+                self._trace.mark("step")
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
             if hasattr(self.model, "_finalize_on_device"):
                 self._end_ev = torch.cuda.Event(enable_timing=True)
@@ -251,12 +288,14 @@ class Variant:
 
 def trace_summary(trace) -> dict:
     """A traced step, in ms after its backward began on this rank: the marks, and per
-    collective (the gradient buckets, in posting order) its bytes, path and five points."""
+    collective of the step (the gradient buckets, in posting order) its bytes, path and five
+    points."""
     marks = dict(trace.marks)
     t0 = marks["backward"]
-    return {"marks": {k: v - t0 for k, v in marks.items()},
+    return {"marks": {k: v - t0 for k, v in marks.items() if k not in ("start", "step")},
             "buckets": [(r.nbytes, r.path, r.ready - t0, r.start - t0, r.wire - t0,
-                         r.reduced - t0, r.done - t0) for r in trace.rows]}
+                         r.reduced - t0, r.done - t0) for r in trace.rows
+                        if r.ready >= marks["step"]]}
 
 
 def print_traces(name: str, per_rank: list) -> None:
@@ -426,12 +465,15 @@ def _worker(rank, args, ports, results):
             tdist.barrier()
     # Timing in rounds that cycle through the variants, so load from outside this benchmark
     # (other jobs on a shared machine) falls on all of them alike.
-    per_round = 2
+    per_round = args.round_steps if args.pipelined else 2
     for _ in range((args.steps + per_round - 1) // per_round):
         for v in variants:
             if not v.single or rank == 0:
-                for _ in range(per_round):
-                    v.step()
+                if args.pipelined:
+                    v.run_round(per_round)
+                else:
+                    for _ in range(per_round):
+                        v.step()
             if v.single:
                 tdist.barrier()
     for v in variants:
@@ -542,6 +584,12 @@ def main() -> int:
     ap.add_argument("--no-ddp-every-rank", action="store_true",
                     help="also time the model without DDP on every rank at once: what the ranks "
                          "cost each other on the host, with no communication")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="time rounds of --round-steps steps issued back to back with one "
+                         "synchronize per round, as a training loop that does not wait for each "
+                         "step (no phase table then); by default every step is synchronized")
+    ap.add_argument("--round-steps", type=int, default=6,
+                    help="--pipelined: steps per round (default 6)")
     ap.add_argument("--trace", type=int, default=0, metavar="STEPS",
                     help="cuda: after the timed steps, run this many more steps of each ddpc "
                          "variant inside ddpc.comm_trace and print when each gradient bucket "
@@ -551,6 +599,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.nproc < 1:
         ap.error(f"--nproc must be >= 1, got {args.nproc}")
+    if args.round_steps < 1:
+        ap.error(f"--round-steps must be 1 or more, got {args.round_steps}")
     if args.trace < 0 or (args.trace and args.device != "cuda"):
         ap.error(f"--trace {args.trace}: give a number of steps, with --device cuda (the trace "
                  f"reads CUDA events)")
@@ -611,7 +661,9 @@ def main() -> int:
     print(f"model {args.model}: {cfg['layers']} layers, width {cfg['width']}, vocab {cfg['vocab']}, "
           f"seq {cfg['seq']}, batch {cfg['batch']} per process; device {args.device}, "
           f"{args.nproc} processes, {args.steps} timed steps after {args.warmup} warm-up"
-          + (", bf16 autocast, fused AdamW" if args.device == "cuda" else ", fp32, AdamW"))
+          + (", bf16 autocast, fused AdamW" if args.device == "cuda" else ", fp32, AdamW")
+          + (f"; pipelined: rounds of {args.round_steps} steps, one synchronize each"
+             if args.pipelined else "; every step synchronized"))
     print("env: " + ", ".join(f"{k}={'<unset>' if v is None else v}" for k, v in env.items()))
     mem_name = "+max_memory_allocated" if args.device == "cuda" else "+peak RSS"
     w = max([32] + [len(r[0]) for r in rows])  # (the names' column)
@@ -678,6 +730,7 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "config": cfg, "device": args.device,
                        "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
+                       "pipelined": args.round_steps if args.pipelined else 0,
                        "p2p_flag": args.p2p, "env": env, "memory_measure": mem_name,
                        "wall_s": wall, "rows": out_rows}, f, indent=2)
     return 0
