@@ -292,7 +292,7 @@ def trace_summary(trace) -> dict:
     points."""
     marks = dict(trace.marks)
     t0 = marks["backward"]
-    return {"marks": {k: v - t0 for k, v in marks.items() if k not in ("start", "step")},
+    return {"marks": {k: v - t0 for k, v in marks.items() if k != "start"},
             "buckets": [(r.nbytes, r.path, r.ready - t0, r.start - t0, r.wire - t0,
                          r.reduced - t0, r.done - t0) for r in trace.rows
                         if r.ready >= marks["step"]]}
@@ -336,9 +336,10 @@ def print_traces(name: str, per_rank: list) -> None:
               f"{cell(lambda t: t['buckets'][k][3] - t['buckets'][k][2]):>20s} "
               f"{cell(lambda t: t['buckets'][k][5] - t['buckets'][k][4]):>20s} "
               f"{cell(lambda t: t['buckets'][k][6]):>20s}")
-    for label in ("end", "backward returned", "optimizer returned"):
+    for label in ("step", "end", "backward returned", "optimizer returned"):
         if all(label in per_rank[r][0]["marks"] for r in ranks):
-            print(f"     {label:<17s} {cell(lambda t: t['marks'][label]):>20s}")
+            name = "step began" if label == "step" else label
+            print(f"     {name:<17s} {cell(lambda t: t['marks'][label]):>20s}")
 
 
 def worker(rank, args, ports, results):
