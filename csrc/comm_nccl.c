@@ -397,7 +397,6 @@ typedef struct NcclImpl {
     /* The trace on (ddpc_group_trace_start), or NULL. Taken, started and stopped under g->mu;
      * stopped only after the posting thread has issued what was posted before. */
     DdpcTrace *trace;
-    unsigned poll_min_us;    /* the watchdog's first poll after a completion (DDPC_WATCHDOG_POLL_US) */
 } NcclImpl;
 
 /* What a fast call was, for the message when it fails (the kernel reports only its epoch). */
@@ -748,7 +747,7 @@ static void *watchdog_main(void *arg) {
         request_abort(im, DDPC_ERR_CUDA, msg);
     }
     HeadWatch hw = {.seq = 0, .since_ms = 0, .next_store_ms = 0};
-    unsigned us = im->poll_min_us;
+    unsigned us = POLL_MIN_US;
     for (;;) {
         pthread_mutex_lock(&im->mu);
         /* After an abort, a peer that still runs may lower a released staged counter again:
@@ -779,14 +778,14 @@ static void *watchdog_main(void *arg) {
         }
         if (!busy) continue;
         if (reap(im)) {
-            us = im->poll_min_us;
+            us = POLL_MIN_US;
             continue;
         }
         check_health(im, &hw);
         /* Back off while a long collective runs; restart fast after each completion, so a host
          * wait returns soon after the device finishes. */
         sleep_us(us);
-        us = DDPC_MAX(DDPC_MIN(us * 2, POLL_MAX_US), im->poll_min_us);
+        us = DDPC_MIN(us * 2, POLL_MAX_US);
     }
     return NULL;
 }
@@ -1641,22 +1640,6 @@ static ddpc_status nccl_init(DdpcGroup *g) {
     DDPC_CUDACHECK_GOTO(cudaEventCreateWithFlags(&im->ready, cudaEventDisableTiming), st, fail);
     DDPC_CUDACHECK_GOTO(cudaMalloc((void **)&im->scratch, sizeof(int)), st, fail);
     DDPC_CUDACHECK_GOTO(cudaMemset(im->scratch, 0, sizeof(int)), st, fail);
-
-    im->poll_min_us = POLL_MIN_US;
-    const char *pe = getenv("DDPC_WATCHDOG_POLL_US");
-    if (pe && pe[0]) {
-        char *end = NULL;
-        errno = 0;
-        long us = strtol(pe, &end, 10);
-        if (errno || *end || us < 1 || us > 1000000) {
-            st = ddpc_error(DDPC_ERR_INVALID, "DDPC_WATCHDOG_POLL_US=%s is not a number of "
-                            "microseconds from 1 to 1000000: set it (how soon the watchdog "
-                            "looks again after a collective finished) or unset it (%d)", pe,
-                            POLL_MIN_US);
-            goto fail;
-        }
-        im->poll_min_us = (unsigned)us;
-    }
 
     ncclUniqueId id;
     DDPC_CHECK_GOTO(exchange_id(g, deadline, &id), st, fail);
