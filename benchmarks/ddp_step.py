@@ -137,6 +137,7 @@ class Variant:
         self._end_ev = None
         self._trace = None  # the ddpc.comm_trace of a traced step (--trace)
         self.traced = []  # per traced step: its marks and buckets (trace_summary)
+        self.alloc = [0, 0, 0]  # over the timed steps: cudaMalloc and cudaFree calls, retries
         self.mem = float("nan")
 
     def build(self, cfg, args, device, rank) -> None:
@@ -165,6 +166,18 @@ class Variant:
             self.model.host_times()  # (from here on: the timed steps only)
 
     def _build(self, model, args, device, rank, cfg) -> None:
+        # The host time of the model's own forward, inside whatever wraps it: what the wrapper
+        # adds around it is the rest of the host forward.
+        self._module_ms = 0.0
+        module_forward = model.forward
+
+        def timed_forward(*a, **k):
+            t = time.perf_counter()
+            try:
+                return module_forward(*a, **k)
+            finally:
+                self._module_ms += (time.perf_counter() - t) * 1e3
+        model.forward = timed_forward
         self.model = self.wrap(model)
         if device.type == "cuda" and hasattr(self.model, "_finalize_on_device"):
             # An event on the stream backward ran on, where ddpc's end of backward begins: before
@@ -203,6 +216,17 @@ class Variant:
                 self._trace = None
         self.traced.append(trace_summary(trace))
 
+    def _alloc_counts(self):
+        if self.device.type != "cuda":
+            return (0, 0, 0)
+        st = torch.cuda.memory_stats(self.device)
+        return (st.get("num_device_alloc", 0), st.get("num_device_free", 0),
+                st.get("num_alloc_retries", 0))
+
+    def _count_alloc(self, before) -> None:
+        for k, (a, b) in enumerate(zip(self._alloc_counts(), before)):
+            self.alloc[k] += a - b
+
     def batch(self):
         cfg = self.cfg
         shape = (cfg["batch"], cfg["seq"])
@@ -219,11 +243,13 @@ class Variant:
         batches = [self.batch() for _ in range(k)]
         if cuda:
             torch.cuda.synchronize()
+        before = self._alloc_counts()
         t0 = time.perf_counter()
         losses = [self.step(timed=False, data=b, sync=False) for b in batches]
         if cuda:
             torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3 / k
+        self._count_alloc(before)
         self.times += [ms] * k
         for loss in losses:
             if not math.isfinite(loss.item()):
@@ -233,6 +259,8 @@ class Variant:
         cfg, device = self.cfg, self.device
         x, y = data if data is not None else self.batch()
         cuda = device.type == "cuda"
+        before = self._alloc_counts() if timed else None
+        self._module_ms = 0.0
         if not sync:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
                 logits = self.model(x)
@@ -280,7 +308,8 @@ class Variant:
             split = [math.nan, math.nan]
             if cuda and self._end_ev is not None:
                 split = [ev[1].elapsed_time(self._end_ev), self._end_ev.elapsed_time(ev[2])]
-            self.phases.append(host + gpu + split)
+            self.phases.append(host + gpu + split + [self._module_ms])
+            self._count_alloc(before)
         self._end_ev = None
         if not math.isfinite(loss.item()):
             raise RuntimeError(f"{self.name}: the loss is {loss.item()}")
@@ -485,14 +514,17 @@ def _worker(rank, args, ports, results):
                 v.traced_step()
     traces = [(v.name, v.traced) for v in variants if v.traced]
     mine = [(v.name, statistics.median(v.times) if v.times else None, v.mem, v.times,
-             [statistics.median(col) for col in zip(*v.phases)] if v.phases else None)
+             [statistics.median(col) for col in zip(*v.phases)] if v.phases else None,
+             [x / max(len(v.times), 1) for x in v.alloc])
             for v in variants]
     gathered = [None] * n
     tdist.all_gather_object(gathered, mine)
-    rows = []
+    rows, allocs = [], {}
     for k, v in enumerate(variants):
+        allocs[v.name] = (gathered[0][k][5] if v.single else
+                          [max(g[k][5][j] for g in gathered) for j in range(3)])
         if v.single:
-            name, ms, mem, times, phases = gathered[0][k]
+            name, ms, mem, times, phases, _ = gathered[0][k]
         else:
             name, ms, mem = (v.name, max(g[k][1] for g in gathered),
                              max(g[k][2] for g in gathered))
@@ -515,7 +547,7 @@ def _worker(rank, args, ports, results):
     tdist.all_gather_object(every_trace, traces)
     traces = [(name, [every_trace[r][k][1] for r in range(n)])
               for k, (name, _) in enumerate(traces)]
-    results.put((rank, "ok", (rows, describe_env(device), wrapper_ms, traces)))
+    results.put((rank, "ok", (rows, describe_env(device), wrapper_ms, traces, allocs)))
     tdist.destroy_process_group()
     ddpc.destroy_process_group()
 
@@ -648,7 +680,7 @@ def main() -> int:
         if status != "ok":
             failed.append((rank, value))
         elif rank == 0:
-            rows, env, wrapper_ms, traces = value
+            rows, env, wrapper_ms, traces, allocs = value
     for p in procs:
         p.join(timeout=30 if failed else None)
         if p.is_alive():
@@ -693,17 +725,18 @@ def main() -> int:
         # GPU backward in two: up to where its end of backward begins on the stream (the
         # backward's kernels and the gradients' copies or casts, beside the collectives already
         # running), and from there (the wait for the last collectives, the casts back).
-        print(f"{'phases, median ms':{w}s} {'host fwd':>9s} {'bwd':>6s} {'opt':>6s}   "
-              f"{'GPU fwd':>8s} {'bwd':>6s} {'opt':>6s}   {'bwd: to end':>11s} {'end':>6s}")
+        print(f"{'phases, median ms':{w}s} {'host fwd':>9s} {'model':>6s} {'bwd':>6s} {'opt':>6s}"
+              f"   {'GPU fwd':>8s} {'bwd':>6s} {'opt':>6s}   {'bwd: to end':>11s} {'end':>6s}")
         for name, _, _, _, ph in rows:
             if ph:
                 split = ("" if math.isnan(ph[6]) else f"   {ph[6]:11.2f} {ph[7]:6.2f}")
-                print(f"{name:{w}s} {ph[0]:9.2f} {ph[1]:6.2f} {ph[2]:6.2f}   {ph[3]:8.2f} "
-                      f"{ph[4]:6.2f} {ph[5]:6.2f}{split}")
+                print(f"{name:{w}s} {ph[0]:9.2f} {ph[8]:6.2f} {ph[1]:6.2f} {ph[2]:6.2f}   "
+                      f"{ph[3]:8.2f} {ph[4]:6.2f} {ph[5]:6.2f}{split}")
         for r in out_rows:
             ph = next(p for n, _, _, _, p in rows if n == r["variant"])
             r["phases_ms"] = dict(zip(["host_fwd", "host_bwd", "host_opt", "gpu_fwd", "gpu_bwd",
-                                       "gpu_opt", "gpu_bwd_to_end", "gpu_bwd_end"],
+                                       "gpu_opt", "gpu_bwd_to_end", "gpu_bwd_end",
+                                       "host_model_fwd"],
                                       [None if math.isnan(x) else x for x in ph])) if ph else None
     if wrapper_ms:
         # Inside ddpc's share of the host phases above (rank 0, mean per timed step): the
@@ -721,6 +754,18 @@ def main() -> int:
                 f"{t[k]:8.0f}" if k == "hook_calls" else f"{t[k]:8.2f}" for k in keys))
         for r in out_rows:
             r["ddpc_host_ms"] = wrapper_ms.get(r["variant"])
+    if args.device == "cuda":
+        # torch's caching allocator during the timed steps, per step (the most of any rank):
+        # cudaMalloc and cudaFree calls (each may wait for the device, and takes host time at
+        # whatever point of the step needs memory), and allocations that failed and were retried
+        # after freeing the cache.
+        print(f"{'allocator per step':{w}s} {'cudaMalloc':>11s} {'cudaFree':>9s} "
+              f"{'retries':>8s}")
+        for name, a in allocs.items():
+            print(f"{name:{w}s} {a[0]:11.2f} {a[1]:9.2f} {a[2]:8.2f}")
+        for r in out_rows:
+            r["allocator_per_step"] = dict(zip(["cuda_malloc", "cuda_free", "retries"],
+                                              allocs.get(r["variant"], [0, 0, 0])))
     for name, per_rank in traces:
         print_traces(name, per_rank)
     wall = time.monotonic() - t_start
