@@ -568,6 +568,18 @@ def _w_trace(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dict
     if len(trace.rows) != 1 or trace.dropped != 2:
         failures.append(f"capacity 2 (its start mark and one row) kept {len(trace.rows)} rows and "
                         f"dropped {trace.dropped}, expected 1 and 2")
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    try:
+        g.trace_mark(stream)
+        failures.append("trace_mark with no trace on did not raise")
+    except ValueError as e:
+        if "no trace is on" not in str(e):
+            failures.append(f"trace_mark with no trace on said: {e}")
+    # A trace still on when the group goes (destroy_process_group, after this returns) is freed
+    # with it; a collective traced just before must not keep that from finishing.
+    g.trace_start(16)
+    g.trace_mark(stream)
+    ddpc.all_reduce(big, async_op=True).wait()
     return {"failures": failures}
 
 
