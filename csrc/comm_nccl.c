@@ -438,6 +438,17 @@ static void sleep_us(unsigned us) {
     nanosleep(&ts, NULL);
 }
 
+/* Makes device `prev` current again after work on `device` (prev < 0: it was never read); a
+ * failure there becomes the error only when st is DDPC_OK. Returns the status to report. */
+static ddpc_status restore_device(int prev, int device, ddpc_status st) {
+    if (prev < 0 || prev == device) return st;
+    cudaError_t e = cudaSetDevice(prev);
+    if (e != cudaSuccess && st == DDPC_OK)
+        st = ddpc_error(DDPC_ERR_CUDA, "restoring the current device %d failed: %s", prev,
+                        cudaGetErrorString(e));
+    return st;
+}
+
 static const ncclDataType_t k_nccl_dtype[DDPC_NUM_DTYPES] = {
     [DDPC_FLOAT32] = ncclFloat32, [DDPC_FLOAT64] = ncclFloat64, [DDPC_FLOAT16] = ncclFloat16,
     [DDPC_BFLOAT16] = ncclBfloat16, [DDPC_INT32] = ncclInt32, [DDPC_INT64] = ncclInt64,
@@ -1589,13 +1600,7 @@ fail:
                       a->count, ddpc_dtype_name(a->dtype), ddpc_redop_name(a->redop), g->rank);
     request_abort(im, st, ddpc_last_error());
 out:
-    if (prev >= 0 && prev != im->device) {
-        cudaError_t e = cudaSetDevice(prev);
-        if (e != cudaSuccess && st == DDPC_OK)
-            st = ddpc_error(DDPC_ERR_CUDA, "restoring the current device %d failed: %s", prev,
-                            cudaGetErrorString(e));
-    }
-    return st;
+    return restore_device(prev, im->device, st);
 }
 
 static ddpc_status nccl_init(DdpcGroup *g) {
@@ -2049,13 +2054,7 @@ fail_ev:
 fail_wd:
     free(wd);
 restore:
-    if (prev != im->device) {
-        cudaError_t e = cudaSetDevice(prev);
-        if (e != cudaSuccess && st == DDPC_OK)
-            st = ddpc_error(DDPC_ERR_CUDA, "restoring the current device %d failed: %s", prev,
-                            cudaGetErrorString(e));
-    }
-    return st;
+    return restore_device(prev, im->device, st);
 }
 
 static ddpc_status nccl_wait_stream(DdpcWork *w, uintptr_t stream) {
@@ -2191,13 +2190,7 @@ static ddpc_status on_device(NcclImpl *im, ddpc_status (*fn)(NcclImpl *, void *)
     DDPC_CUDACHECK(cudaGetDevice(&prev));
     if (prev != im->device) DDPC_CUDACHECK(cudaSetDevice(im->device));
     ddpc_status st = fn(im, arg);
-    if (prev != im->device) {
-        cudaError_t e = cudaSetDevice(prev);
-        if (e != cudaSuccess && st == DDPC_OK)
-            st = ddpc_error(DDPC_ERR_CUDA, "restoring the current device %d failed: %s", prev,
-                            cudaGetErrorString(e));
-    }
-    return st;
+    return restore_device(prev, im->device, st);
 }
 
 static ddpc_status trace_start_on(NcclImpl *im, void *arg) {
