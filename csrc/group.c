@@ -325,8 +325,13 @@ ddpc_status ddpc_group_trace_stop(DdpcGroup *g, DdpcTraceRow **rows, size_t *n,
     ddpc_status st = g->ops->trace_stop(g, &detached);
     pthread_mutex_unlock(&g->mu);
     if (st != DDPC_OK) return st;
-    /* Without the lock: waiting for the events must not hold up other threads' collectives. */
-    return g->ops->trace_collect(g, detached, rows, n, dropped);
+    /* Without the lock: waiting for the events must not hold up other threads' collectives.
+     * The trace is ours now; the reference keeps the group's memory (which the wait reads for
+     * an abort) alive should another thread destroy the group meanwhile. */
+    atomic_fetch_add(&g->refs, 1);
+    st = g->ops->trace_collect(g, detached, rows, n, dropped);
+    group_unref(g);
+    return st;
 }
 
 ddpc_status ddpc_group_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *args, int *ran) {
