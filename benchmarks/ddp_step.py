@@ -7,6 +7,13 @@ efficiency (1-process ms / N-process ms at the same per-process batch).
     python benchmarks/ddp_step.py --device cpu --nproc 2 --steps 10
     python benchmarks/ddp_step.py --device cuda --nproc 2 --steps 30 --json ddp.json
     python benchmarks/ddp_step.py --device cuda --nproc 2 --p2p off    # NCCL_P2P_DISABLE=1
+    python benchmarks/ddp_step.py --device cuda --nproc 2 --pipelined  # no sync between steps
+    python benchmarks/ddp_step.py --device cuda --nproc 2 --trace 2    # every bucket, every rank
+
+Every step is synchronized by default, to time its phases on the host and the GPU; --pipelined
+issues rounds of steps back to back instead, as a training loop that does not wait for each step.
+--trace runs more steps of each ddpc variant under ddpc.comm_trace afterwards and prints each
+gradient bucket's collective on every rank.
 
 On 2 H200s the gpt2 run takes about a minute: start and NCCL setup ~15 s, then 5 variants of
 3 warm-up + 30 timed steps of roughly 50-100 ms each.
