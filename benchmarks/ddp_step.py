@@ -785,7 +785,10 @@ def main() -> int:
                        "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
                        "pipelined": args.round_steps if args.pipelined else 0,
                        "p2p_flag": args.p2p, "env": env, "memory_measure": mem_name,
-                       "wall_s": wall, "rows": out_rows}, f, indent=2)
+                       "wall_s": wall, "rows": out_rows,
+                       # per ddpc variant, per rank, per traced step: trace_summary's marks and
+                       # buckets (bytes, path, ready, start, wire, reduced, done; ms)
+                       "traces": {name: per_rank for name, per_rank in traces}}, f, indent=2)
     return 0
 
 
