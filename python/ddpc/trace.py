@@ -78,7 +78,12 @@ class CommTrace:
         stream = self._stream()
         self._group.trace_start(self._capacity)
         self._on = True
-        self.mark("start", stream)
+        try:
+            self.mark("start", stream)
+        except BaseException:
+            self._on = False  # (__exit__ will not run: the with block never began)
+            self._group.trace_stop()
+            raise
         return self
 
     def mark(self, label: str, stream: Optional[int] = None) -> None:
