@@ -115,7 +115,8 @@ def peak_mib(device: torch.device) -> float:
 ENV_VARS = ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO", "NCCL_IB_DISABLE",
             "NCCL_SHM_USE_CUDA_MEMCPY", "NCCL_SHM_MEMCPY_MODE", "CUDA_VISIBLE_DEVICES",
             "OMP_NUM_THREADS", "DDPC_NCCL_MIN_CTAS", "DDPC_NCCL_MAX_CTAS", "DDPC_TAIL_BUCKET_MB",
-            "DDPC_STAGED_ALLREDUCE", "DDPC_STAGED_OVERLAP", "DDPC_NCCL_POST_THREAD")
+            "DDPC_STAGED_ALLREDUCE", "DDPC_STAGED_OVERLAP", "DDPC_NCCL_POST_THREAD",
+            "DDPC_EMBEDDING_ROWS")
 
 
 def describe_env(device: torch.device) -> dict:
@@ -429,6 +430,12 @@ def _worker(rank, args, ports, results):
             static_graph=True)),
         *pair("ddpc", "ddpc grad_dtype=bf16"),
     ]
+    if args.dense_embeddings:
+        # What exchanging the embedding lookups' gradients as rows saves (ddpc/_rows.py): the
+        # tied table reduced densely at the end of backward instead (DDPC_EMBEDDING_ROWS=0, read
+        # by wrap_model).
+        variants += pair("ddpc dense embedding", "ddpc bf16 dense embedding",
+                         env={"DDPC_EMBEDDING_ROWS": "0"})
     if args.per_gradient:
         # What copying (casting) a bucket's gradients in one launch when it is complete saves:
         # one launch per gradient as it arrives (DDPC_GRAD_BATCH=0, read when a reducer is made,
@@ -606,6 +613,10 @@ def main() -> int:
     ap.add_argument("--bf16-via-bucket", action="store_true",
                     help="also run ddpc with bf16 gradients copied into their bucket slots "
                          "before the cast (the path before gradients went straight to the wire)")
+    ap.add_argument("--dense-embeddings", action="store_true",
+                    help="also run ddpc (float32 and bf16 gradients) with the embedding tables' "
+                         "gradients all-reduced densely at the end of backward "
+                         "(DDPC_EMBEDDING_ROWS=0) instead of their lookups' rows exchanged")
     ap.add_argument("--per-gradient", action="store_true",
                     help="also run ddpc with each gradient copied (cast) into its bucket as it "
                          "arrives, one launch each (DDPC_GRAD_BATCH=0), instead of a bucket's "

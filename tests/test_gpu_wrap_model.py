@@ -537,6 +537,125 @@ def sc_side_stream(rank: int, dev: torch.device) -> Dict[str, Any]:
     return out
 
 
+class RowsLM(torch.nn.Module):
+    """A token embedding (tied to the output head unless tied=False; with a padding row; or
+    looked up twice per forward) and a position embedding with no other use."""
+
+    def __init__(self, tied: bool = True, padding_idx: Optional[int] = None,
+                 twice: bool = False) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(29, 12, padding_idx=padding_idx)
+        self.pos = torch.nn.Embedding(16, 12)
+        self.mid = torch.nn.Linear(12, 12)
+        self.head = None if tied else torch.nn.Linear(12, 29, bias=False)
+        self.twice = twice
+
+    def forward(self, tokens):
+        h = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        if self.twice:
+            h = h + 0.5 * self.tok(tokens.flip(1))
+        h = torch.tanh(self.mid(h))
+        w = self.tok.weight if self.head is None else self.head.weight
+        return h @ w.t()
+
+
+def rows_batch(step: int, r: int, dev: torch.device, pad: Optional[int] = None):
+    """Rank r's tokens and targets at a step: every rank a different shape (3 + r sequences of
+    5 + 2r + step % 3 tokens), so the ranks look up different numbers of rows."""
+    g = torch.Generator().manual_seed(7000 + 31 * step + r)
+    shape = (3 + r, 5 + 2 * r + step % 3)
+    tok = torch.randint(0, 29, shape, generator=g)
+    if pad is not None:
+        tok[:, -2:] = pad
+    return tok.to(dev), torch.randint(0, 29, shape, generator=g).to(dev)
+
+
+def rows_parts(module: torch.nn.Module, fn: Callable) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Per parameter of a RowsLM, its local gradient for the loss fn(copy) and the scale that a
+    bf16 wire may err against: |gradient|, except for the token table, whose parts go to the wire
+    apart (the head's, dense, and each looked-up row): the sum of their magnitudes."""
+    c = copy.deepcopy(module)
+    seen: Dict[str, torch.Tensor] = {}
+
+    def keep(m: Any, args: Any, out: torch.Tensor) -> None:
+        seen["idx"] = args[0]
+        out.register_hook(lambda g: seen.__setitem__("rows", g))
+
+    c.tok.register_forward_hook(keep)
+    fn(c).backward()
+    rows = seen["rows"].reshape(-1, c.tok.weight.shape[1])
+    idx = seen["idx"].reshape(-1)
+    lookup = torch.zeros_like(c.tok.weight).index_add_(0, idx, rows)
+    lookup_abs = torch.zeros_like(c.tok.weight).index_add_(0, idx, rows.abs())
+    out = []
+    for p in c.parameters():
+        if p is c.tok.weight:
+            out.append((p.grad.clone(), (p.grad - lookup).abs() + lookup_abs))
+        else:
+            out.append((p.grad.clone(), p.grad.abs()))
+    return out
+
+
+def bf16_rows_error_ratio(model: torch.nn.Module,
+                          per_rank: List[List[Tuple[torch.Tensor, torch.Tensor]]]) -> float:
+    """bf16_error_ratio with rows_parts's scales."""
+    ratio = 0.0
+    for k, p in enumerate(model.parameters()):
+        exact = sum(g[k][0].double() for g in per_rank) / WORLD
+        scale = sum(g[k][1].double() for g in per_rank) / WORLD
+        e = (p.grad.double() - exact).abs()
+        ratio = max(ratio, (e / (2.0 ** -6 * scale + 1e-30)).max().item())
+    return ratio
+
+
+def sc_embedding_rows(rank: int, dev: torch.device) -> Dict[str, Any]:
+    """Embedding lookups whose gradients are exchanged as rows (ddpc/_rows.py), against the
+    exact average of every rank's local gradients, per step: tied and untied output heads, a
+    padding row, a table looked up twice, no_sync, autocast and a bf16 wire; ranks look up
+    different numbers of tokens. Also which lookups stayed routed, and which gradient the
+    first synced step saw first."""
+    import ddpc
+    cases = {"tied": {}, "untied": {"tied": False}, "padding": {"padding_idx": 3},
+             "twice": {"twice": True}, "no_sync": {}, "autocast": {}, "bf16": {}}
+    out: Dict[str, Any] = {}
+    for case, kw in cases.items():
+        dtype = torch.float64 if case in ("tied", "untied", "padding", "twice", "no_sync") \
+            else torch.float32
+        model = make(lambda kw=kw: RowsLM(**kw), rank, dtype, dev)
+        wrapped = ddpc.wrap_model(model, grad_dtype=torch.bfloat16 if case == "bf16" else None)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        pad = kw.get("padding_idx")
+        errs: List[float] = []
+        for step in range(4):
+            def loss_of(m: Any, r: int, k: int = 0) -> torch.Tensor:
+                tok, tgt = rows_batch(10 * k + step, r, dev, pad)
+                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=case == "autocast"):
+                    logits = m(tok)
+                return torch.nn.functional.cross_entropy(logits.float().reshape(-1, 29),
+                                                         tgt.reshape(-1))
+
+            opt.zero_grad()
+            if case == "bf16":
+                parts = [rows_parts(model, lambda m, r=r: loss_of(m, r)) for r in range(WORLD)]
+                loss_of(wrapped, rank).backward()
+                errs.append(bf16_rows_error_ratio(model, parts))
+            else:
+                expected = averaged_grads(model, loss_of)
+                if case == "no_sync":
+                    expected = [a + b for a, b in zip(expected, averaged_grads(
+                        model, lambda m, r: loss_of(m, r, 1)))]
+                    with wrapped.no_sync():
+                        loss_of(wrapped, rank, 1).backward()
+                loss_of(wrapped, rank).backward()
+                # relative to the gradient's scale (float32 cases sum in another order)
+                errs.append(max(((p.grad - e).abs().max() / e.abs().max()).item()
+                                for p, e in zip(model.parameters(), expected)))
+            opt.step()
+        out[case] = {"errs": errs, "routes": {r.name: r.on for r in wrapped._routes},
+                     "first": wrapped._names[wrapped._order[0]]}
+    return out
+
+
 SCENARIOS = [
     ("equivalence", sc_equivalence),
     ("torch_ddp", sc_torch_ddp),
@@ -547,6 +666,7 @@ SCENARIOS = [
     ("amp", sc_amp),
     ("memory", sc_memory),
     ("side_stream", sc_side_stream),
+    ("embedding_rows", sc_embedding_rows),
 ]
 
 
@@ -775,10 +895,32 @@ def check_memory(runs: Dict[int, Dict[str, Any]]) -> None:
         assert r["ddp_default"] >= r["single"] + grads / 2, r
 
 
+def check_embedding_rows(runs: Dict[int, Dict[str, Any]]) -> None:
+    for r in result(runs, "embedding_rows"):
+        for case, c in r.items():
+            assert len(c["errs"]) == 4, (case, c)
+            if case == "bf16":
+                assert max(c["errs"]) <= 1.0, (case, c["errs"])
+            else:
+                # float64: summation order only; float32 (autocast): likewise, in float32
+                limit = 1e-5 if case == "autocast" else 1e-12
+                assert max(c["errs"]) < limit, (case, c["errs"])
+            if len(runs) == 1:
+                assert c["routes"] == {}, (case, c)  # one rank: nothing to exchange
+                continue
+            tied = case != "untied"
+            # A lookup's weight stays routed where another use (the tied head) gives it a
+            # gradient; the position table has none, so it goes back to a dense all-reduce.
+            assert c["routes"] == {"tok": tied, "pos": False}, (case, c["routes"])
+            # Routed, the tied table's gradient is complete when the head's backward is done:
+            # the first of the step, so its bucket is reduced while backward runs.
+            assert (c["first"] == "tok.weight") == tied, (case, c["first"])
+
+
 CHECKS = [("equivalence", check_equivalence), ("torch_ddp", check_torch_ddp),
           ("branches", check_branches), ("no_sync", check_no_sync), ("bf16", check_bf16),
           ("bf16_mixed", check_bf16_mixed), ("amp", check_amp), ("memory", check_memory),
-          ("side_stream", check_side_stream)]
+          ("side_stream", check_side_stream), ("embedding_rows", check_embedding_rows)]
 
 
 def check_on_cpu(world: int = 2) -> Dict[int, Dict[str, Any]]:
@@ -824,6 +966,10 @@ def test_grads_are_bucket_views_and_peak_memory_is_single_gpu(runs):
 
 def test_forward_and_backward_on_a_side_stream(runs):
     check_side_stream(runs)
+
+
+def test_embedding_lookups_exchanged_as_rows(runs):
+    check_embedding_rows(runs)
 
 
 def test_buckets_issued_by_the_posting_thread_and_default_bucket_size(runs):

@@ -971,3 +971,12 @@ def test_torch_ddp_call_carries_over(world_one):
     assert torch.equal(a.weight.grad, b.weight.grad)
     with pytest.raises(TypeError, match=r"unsupported keyword\(s\) \['mixed_precision'\]"):
         DDP(torch.nn.Linear(2, 2), mixed_precision=None)
+
+
+def test_embedding_rows_setting_is_checked(world_one, monkeypatch):
+    """DDPC_EMBEDDING_ROWS takes 0 or 1; anything else is named with the fix."""
+    monkeypatch.setenv("DDPC_EMBEDDING_ROWS", "yes")
+    with pytest.raises(ValueError, match=r"DDPC_EMBEDDING_ROWS='yes'.*set it to 1"):
+        world_one.wrap_model(torch.nn.Embedding(5, 3))
+    monkeypatch.setenv("DDPC_EMBEDDING_ROWS", "0")
+    assert world_one.wrap_model(torch.nn.Embedding(5, 3))._routes == []

@@ -26,6 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ddpc import _C
+from ddpc import _rows
 from ddpc import distributed as dist
 
 __all__ = ["DistributedModel", "DistributedDataParallel", "wrap_model", "unwrap"]
@@ -306,7 +307,8 @@ class DistributedModel(torch.nn.Module):
                 ("bucket_cap_mb", f"{bucket_cap_bytes / (1 << 20):.12g}"),  # (to the byte)
                 ("grad_dtype", str(grad_dtype).replace("torch.", "")),
                 ("broadcast_buffers", str(broadcast_buffers)),
-                ("DDPC_TAIL_BUCKET_MB", _env_number("DDPC_TAIL_BUCKET_MB"))])
+                ("DDPC_TAIL_BUCKET_MB", _env_number("DDPC_TAIL_BUCKET_MB")),
+                ("DDPC_EMBEDDING_ROWS", os.environ.get("DDPC_EMBEDDING_ROWS") or "1")])
             if self._world > 1:
                 _broadcast_flat([p.data for p in module.parameters()] + list(module.buffers()),
                                 group, self._device)
@@ -338,11 +340,46 @@ class DistributedModel(torch.nn.Module):
         self._sync_hooks()
         handles = [p.register_post_accumulate_grad_hook(_C.GradHook(self._grad_hooks, i))
                    for i, p in enumerate(self._params)]
+        handles += self._route_embeddings()
         # Once the wrapper is gone, its module trains alone again, without dead hooks.
         weakref.finalize(self, _remove_hooks, handles)
         self._register_load_state_dict_pre_hook(_nested_load_hook, with_module=True)
 
     # ------------------------------------------------------------------ setup
+
+    def _route_embeddings(self) -> List[Any]:
+        """Routes the lookups of every eligible nn.Embedding whose weight is reduced here
+        (ddpc/_rows.py says why); returns the forward hooks' handles."""
+        self._routes: List[_rows.Route] = []
+        self._routing = False     # True only while a synced forward runs the module
+        self._calls: List[_rows.Call] = []   # the last synced forward's routed lookups
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._side_stream: Any = None
+        if not _rows.enabled() or self._world == 1:
+            return []
+        index = {id(p): i for i, p in enumerate(self._params)}
+        handles = []
+        for name, m in self.module.named_modules():
+            if not _rows.eligible(m) or id(m.weight) not in index:
+                continue
+            self._routes.append(_rows.Route(m, index[id(m.weight)], name or "(the module)"))
+            handles.append(m.register_forward_hook(
+                self._make_route_hook(weakref.ref(self), len(self._routes) - 1)))
+        if self._routes and self._device.type == "cuda":
+            self._side_stream = torch.cuda.Stream(self._device)
+        return handles
+
+    @staticmethod
+    def _make_route_hook(ref: Any, r: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            model = ref()
+            if model is None or not model._routing:
+                return None
+            route = model._routes[r]
+            if not route.on or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+                return None
+            return _rows.lookup(route, args[0], model._anchor, model._group, model._calls)
+        return hook
 
     def _check_params(self) -> Optional[Exception]:
         """The first problem that keeps this rank's parameters out of the reducer, or None."""
@@ -701,6 +738,8 @@ class DistributedModel(torch.nn.Module):
         for b in range(len(self._wires)):
             self._need_wire(b)  # (a bucket none of whose gradients arrived on this rank)
         unready = reducer.unready()
+        if self._rebuild_pending:
+            self._unready_at_end = set(unready)
         for b in sorted({self._bucket_of[i] for i in unready}):
             if self._buckets[b] is None or self._parked[b]:
                 # Some gradients of this bucket never arrived on this rank, but every rank
@@ -722,6 +761,10 @@ class DistributedModel(torch.nn.Module):
             reducer.mark_ready(i, stream)
         reducer.finalize(stream)
         self._attach_flushed()
+        if self._calls:
+            # (in the order of the forward's lookups: the same on every rank)
+            _rows.exchange(self._calls, self._params, self._group, self._grad_dtype,
+                           self._side_stream)
         self._drop_wires()
         if self._rebuild_pending:
             self._rebuild_pending = False
@@ -732,17 +775,27 @@ class DistributedModel(torch.nn.Module):
         whose gradient arrived more than once on any rank go in buckets launched at the end."""
         order, counts = self._reducer.observed_order()
         n = len(self._params)
+        # Per route: did its weight's gradient arrive during backward on this rank (from a use
+        # other than the routed lookups)?
+        dense = [0 if r.index in self._unready_at_end else 1 for r in self._routes]
         if self._world > 1:
-            mine = torch.tensor(order + counts, dtype=torch.int32, device=self._device)
-            every = torch.empty(self._world * 2 * n, dtype=torch.int32, device=self._device)
+            k = 2 * n + len(dense)
+            mine = torch.tensor(order + counts + dense, dtype=torch.int32, device=self._device)
+            every = torch.empty(self._world * k, dtype=torch.int32, device=self._device)
             dist.all_gather_into_tensor(every, mine, group=self._group)
-            every = every.view(self._world, 2, n).cpu()
-            order = every[0, 0].tolist()
-            counts = every[:, 1].max(dim=0).values.tolist()
+            every = every.view(self._world, k).cpu()
+            order = every[0, :n].tolist()
+            counts = every[:, n:2 * n].max(dim=0).values.tolist()
+            dense = every[:, 2 * n:].min(dim=0).values.tolist()
         seen = [i for i in order if i >= 0]
         seen_set = set(seen)
         self._order = seen + [i for i in range(n - 1, -1, -1) if i not in seen_set]
         self._late = [1 if c > 1 else 0 for c in counts]
+        for r, d in zip(self._routes, dense):
+            # A weight that got no gradient from another use on some rank: its bucket would
+            # all-reduce zeros (or what no_sync accumulated) and then the rows; the dense
+            # all-reduce alone is cheaper.
+            r.on = d == 1
         # Applied by the next forward, like torch DDP: this step's averaged gradients still sit in
         # the old buckets for optimizer.step(), and after zero_grad() nothing needs carrying over.
         self._layout_stale = True
@@ -791,7 +844,14 @@ class DistributedModel(torch.nn.Module):
                     self._reducer.prepare()
                 self._attach_grads()
         t1 = time.perf_counter_ns()
-        output = self.module(*inputs, **kwargs)
+        routing = grad_on and self._require_sync and bool(self._routes)
+        if routing:
+            self._calls = []
+            self._routing = True
+        try:
+            output = self.module(*inputs, **kwargs)
+        finally:
+            self._routing = False
         t2 = time.perf_counter_ns()
         if grad_on and self._require_sync:
             output = self._attach_sink(output)

@@ -1,0 +1,176 @@
+"""Embedding rows: the lookup's part of an embedding's gradient, exchanged as the rows it touched.
+
+An embedding's gradient is complete only at the very end of backward (its lookup is the first op
+of the forward), so its all-reduce cannot overlap anything: GPT-2's 50304x768 table is 147 MiB in
+float32, 0.5 ms over NVLink and 2 ms through host memory, after the last kernel. Yet the lookup
+touches only the rows of the tokens in the batch (8192 of 50304 there). When the table is also
+used elsewhere (an output head tied to it), that other use's part is dense but complete at the
+start of backward.
+
+So wrap_model routes each plain ``torch.nn.Embedding``'s lookup through ``_Rows``: the same
+lookup, on a detached weight, so autograd's edge from the lookup to the weight is gone. The
+weight's gradient hook then fires as soon as its other uses are done, and its bucket is reduced
+while backward runs. ``_Rows``'s backward keeps the gradient of the lookup's output, and the end of
+backward (after every bucket) gathers each rank's (index, row) pairs and adds them, divided by the
+world size, into the averaged gradient: the same sum, reduced with 1/6 of the traffic for GPT-2.
+
+Every rank must route the same lookups in the same order (the same model and control flow, as
+every collective requires). Ranks may look up different numbers of tokens: each forward exchanges
+its count, and the end of backward pads to the largest. After the first synced step, a route whose
+weight got no gradient from another use on some rank is turned off (its bucket would reduce zeros:
+the dense all-reduce is then cheaper). DDPC_EMBEDDING_ROWS=0 turns routing off.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+
+from ddpc import distributed as dist
+
+__all__ = ["eligible", "Route", "Call", "lookup", "exchange"]
+
+
+def enabled() -> bool:
+    """DDPC_EMBEDDING_ROWS: 1 (default) routes embedding lookups, 0 does not."""
+    import os
+    v = (os.environ.get("DDPC_EMBEDDING_ROWS") or "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"DDPC_EMBEDDING_ROWS={v!r}: set it to 1 (exchange embedding lookups' "
+                         f"gradients as rows, the default) or 0 (reduce them densely)")
+    return v == "1"
+
+
+def eligible(m: torch.nn.Module) -> bool:
+    """A plain nn.Embedding whose gradient is the usual dense sum of its output's rows (not
+    sparse, no max_norm renormalization, no scaling by frequency, which is per batch)."""
+    return (type(m) is torch.nn.Embedding and not m.sparse and m.max_norm is None
+            and not m.scale_grad_by_freq and m.weight.dim() == 2)
+
+
+class Route:
+    """One routed embedding: its module, its weight's index among the wrapper's parameters, and
+    whether it is routed."""
+
+    __slots__ = ("module", "index", "name", "on")
+
+    def __init__(self, module: torch.nn.Module, index: int, name: str) -> None:
+        self.module = module
+        self.index = index
+        self.name = name
+        self.on = True
+
+
+class Call:
+    """One routed lookup: its indices, the exchange of every rank's count, and (once _Rows's
+    backward ran) the gradient of its output."""
+
+    __slots__ = ("route", "idx", "n", "counts", "work", "grad")
+
+    def __init__(self, route: Route, idx: torch.Tensor, counts: torch.Tensor, work: Any) -> None:
+        self.route = route
+        self.idx = idx
+        self.n = idx.numel()
+        self.counts = counts
+        self.work = work
+        self.grad: Optional[torch.Tensor] = None
+
+
+class _Rows(torch.autograd.Function):
+    """The embedding lookup of a detached weight; its backward keeps the output's gradient for the
+    exchange at the end of backward and gives the weight nothing through autograd. `anchor` is a
+    leaf that requires grad, so that the output does (and this backward runs)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
+                padding_idx: Optional[int], call: Call) -> torch.Tensor:
+        ctx.call = call
+        return torch.nn.functional.embedding(idx, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        ctx.call.grad = grad
+        return None, None, None, None, None
+
+
+def lookup(route: Route, idx: torch.Tensor, anchor: torch.Tensor, group: Any,
+           calls: List[Call]) -> torch.Tensor:
+    """The routed lookup for one call of route's embedding in a synced forward: starts the
+    exchange of this rank's count of indices (it completes long before the end of backward
+    reads it) and appends the call to `calls`."""
+    m = route.module
+    counts = torch.empty(group.world_size, dtype=torch.int64, device=idx.device)
+    mine = torch.full((1,), idx.numel(), dtype=torch.int64, device=idx.device)
+    work = dist.all_gather_into_tensor(counts, mine, group=group, async_op=True)
+    call = Call(route, idx, counts, work)
+    calls.append(call)
+    return _Rows.apply(anchor, idx, m.weight.detach(), m.padding_idx, call)
+
+
+def _host_counts(call: Call, side: Optional[Any]) -> List[int]:
+    """Every rank's count of indices for this call, on the host. The collective is waited for
+    from the host (it raises DistributedError if it failed), then copied on a side stream, so
+    the host never waits for the compute stream's backward."""
+    call.work._work.wait()
+    if side is None:
+        counts = call.counts.tolist()
+    else:
+        with torch.cuda.stream(side):
+            counts = call.counts.tolist()
+    for r, c in enumerate(counts):
+        if not 0 <= c < (1 << 40):
+            raise dist.DistributedError(
+                f"wrap_model: rank {r} reported {c} looked-up indices for embedding "
+                f"'{call.route.name}': the ranks' lookups are out of step (every rank must call "
+                f"the same embeddings in the same order in a synced forward)")
+    return counts
+
+
+def exchange(calls: List[Call], params: List[torch.nn.Parameter], group: Any,
+             wire_dtype: Optional[torch.dtype], side: Optional[Any]) -> None:
+    """End of a synced backward, after the buckets were reduced and averaged on the current
+    stream: adds every rank's lookup gradients, divided by the world size, into the weights'
+    averaged gradients. One all-gather per call: each rank's indices (int64, padded with 0 to the
+    largest count) and rows (in wire_dtype or the weight's dtype, padded with zeros)."""
+    world = group.world_size
+    for call in calls:
+        p = params[call.route.index]
+        counts = _host_counts(call, side)
+        cap = max(counts)
+        grad, call.grad = call.grad, None
+        if cap == 0:
+            continue
+        width = p.shape[1]
+        wdt = wire_dtype if wire_dtype is not None else p.dtype
+        esize = torch.empty((), dtype=wdt).element_size()
+        idx_bytes = cap * 8
+        row_bytes = cap * width * esize
+        stride = idx_bytes + (row_bytes + 7) // 8 * 8
+        send = torch.empty(stride, dtype=torch.uint8, device=p.device)
+        ids = send[:idx_bytes].view(torch.int64)
+        rows = send[idx_bytes:idx_bytes + row_bytes].view(wdt).view(cap, width)
+        n = call.n
+        if grad is None or n == 0:
+            # (this rank's backward did not reach the lookup: it adds nothing)
+            ids.zero_()
+            rows.zero_()
+        else:
+            flat = call.idx.reshape(-1)
+            ids[:n].copy_(flat)
+            rows[:n].copy_(grad.reshape(n, width))
+            pad = call.route.module.padding_idx
+            if pad is not None:
+                rows[:n].masked_fill_((flat == pad).unsqueeze(1), 0)
+            if n < cap:
+                ids[n:].zero_()   # row 0 gets zeros added: no change
+                rows[n:].zero_()
+        recv = torch.empty(world * stride, dtype=torch.uint8, device=p.device)
+        dist.all_gather_into_tensor(recv, send, group=group)
+        recv = recv.view(world, stride)
+        every_ids = recv[:, :idx_bytes].view(torch.int64).reshape(-1)
+        every_rows = recv[:, idx_bytes:idx_bytes + row_bytes].view(wdt).reshape(world * cap,
+                                                                                 width)
+        values = every_rows.to(p.dtype).mul_(1.0 / world)
+        # accumulate=True sums repeated indices in a fixed order (sorted on CUDA), so every rank
+        # adds the same values the same way and the weights stay identical across ranks.
+        p.grad.index_put_((every_ids,), values, accumulate=True)
