@@ -330,7 +330,8 @@ def trace_summary(trace) -> dict:
     marks = dict(trace.marks)
     t0 = marks["backward"]
     return {"marks": {k: v - t0 for k, v in marks.items() if k != "start"},
-            "buckets": [(r.nbytes, r.path, r.ready - t0, r.start - t0, r.wire - t0,
+            # (an all-gather is an embedding's rows, or the count of its lookups: ddpc/_rows.py)
+            "buckets": [(r.nbytes, ("gather/" if "gather" in r.op else "") + r.path, r.ready - t0, r.start - t0, r.wire - t0,
                          r.reduced - t0, r.done - t0) for r in trace.rows
                         if r.ready >= marks["step"]]}
 
@@ -364,11 +365,11 @@ def print_traces(name: str, per_rank: list) -> None:
     print(f"trace of {name}: {steps} steps, {nb} collectives a step; ms after backward began "
           f"(rank " + "/".join(str(r) for r in ranks) + "); offset of each rank's clock: "
           + "/".join(f"{o:.2f}" for o in offs))
-    print(f"{'#':>4s} {'MiB':>7s} {'path':<8s} {'ready':>20s} {'queued':>20s} {'took':>20s} "
+    print(f"{'#':>4s} {'MiB':>7s} {'path':<13s} {'ready':>20s} {'queued':>20s} {'took':>20s} "
           f"{'done':>20s}")
     for k in range(nb):
         nbytes, path = per_rank[0][0]["buckets"][k][:2]
-        print(f"{k:4d} {nbytes / 2**20:7.1f} {path:<8s} "
+        print(f"{k:4d} {nbytes / 2**20:7.1f} {path:<13s} "
               f"{cell(lambda t: t['buckets'][k][2]):>20s} "
               f"{cell(lambda t: t['buckets'][k][3] - t['buckets'][k][2]):>20s} "
               f"{cell(lambda t: t['buckets'][k][5] - t['buckets'][k][4]):>20s} "

@@ -653,6 +653,37 @@ def sc_embedding_rows(rank: int, dev: torch.device) -> Dict[str, Any]:
             opt.step()
         out[case] = {"errs": errs, "routes": {r.name: r.on for r in wrapped._routes},
                      "first": wrapped._names[wrapped._order[0]]}
+    if dev.type == "cuda":
+        out["host_wait"] = rows_host_wait(rank, dev)
+    return out
+
+
+def rows_host_wait(rank: int, dev: torch.device) -> Dict[str, float]:
+    """How long backward() of a routed step takes on the host while the GPU still has about
+    0.3 s of work queued before it (a sleep kernel after the forward): it must queue everything
+    and return, never wait for the GPU (an index check read back to the host would)."""
+    import ddpc
+    model = make(RowsLM, rank, torch.float32, dev)
+    wrapped = ddpc.wrap_model(model)
+    t0 = time.perf_counter()
+    torch.cuda._sleep(10 ** 8)
+    torch.cuda.synchronize(dev)
+    cycles_per_s = 10 ** 8 / (time.perf_counter() - t0)
+    out = {}
+    for step in range(4):
+        tok, tgt = rows_batch(step, rank, dev)
+        logits = wrapped(tok)
+        if step == 3:
+            torch.cuda._sleep(int(0.3 * cycles_per_s))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 29), tgt.reshape(-1))
+        t0 = time.perf_counter()
+        loss.backward()
+        out["backward_s"] = time.perf_counter() - t0
+        torch.cuda.synchronize(dev)
+        out["after_gpu_s"] = time.perf_counter() - t0
+        for p in model.parameters():
+            p.grad = None
+    out["routed"] = float(wrapped._routes[0].on) if wrapped._routes else 0.0
     return out
 
 
@@ -897,6 +928,11 @@ def check_memory(runs: Dict[int, Dict[str, Any]]) -> None:
 
 def check_embedding_rows(runs: Dict[int, Dict[str, Any]]) -> None:
     for r in result(runs, "embedding_rows"):
+        wait = r.pop("host_wait", None)
+        if wait is not None and len(runs) > 1:
+            assert wait["routed"] == 1.0, wait
+            # the GPU had ~0.3 s of work left when backward() returned
+            assert wait["after_gpu_s"] > 0.25 and wait["backward_s"] < 0.1, wait
         for case, c in r.items():
             assert len(c["errs"]) == 4, (case, c)
             if case == "bf16":
