@@ -22,6 +22,7 @@ the dense all-reduce is then cheaper). DDPC_EMBEDDING_ROWS=0 turns routing off.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, List, Optional
 
 import torch
@@ -65,14 +66,16 @@ class Call:
     """One routed lookup: its indices, the exchange of every rank's count, and (once _Rows's
     backward ran) the gradient of its output."""
 
-    __slots__ = ("route", "idx", "n", "counts", "work", "grad")
+    __slots__ = ("route", "idx", "n", "counts", "work", "host", "event", "grad")
 
     def __init__(self, route: Route, idx: torch.Tensor, counts: torch.Tensor, work: Any) -> None:
         self.route = route
         self.idx = idx
         self.n = idx.numel()
-        self.counts = counts
+        self.counts = counts  # every rank's count, where the collective writes it
         self.work = work
+        self.host: Optional[torch.Tensor] = None  # on GPUs: the counts copied to pinned memory
+        self.event: Any = None                     # ... and the end of that copy
         self.grad: Optional[torch.Tensor] = None
 
 
@@ -94,40 +97,53 @@ class _Rows(torch.autograd.Function):
 
 
 def lookup(route: Route, idx: torch.Tensor, anchor: torch.Tensor, group: Any,
-           calls: List[Call]) -> torch.Tensor:
+           calls: List[Call], side: Optional[Any]) -> torch.Tensor:
     """The routed lookup for one call of route's embedding in a synced forward: starts the
-    exchange of this rank's count of indices (it completes long before the end of backward
-    reads it) and appends the call to `calls`."""
+    exchange of this rank's count of indices and appends the call to `calls`. On GPUs the
+    counts then go to pinned host memory on the side stream `side`, behind the collective: the
+    end of backward reads them there without waiting for anything queued since (a copy to
+    ordinary host memory there would wait for the whole backward)."""
     m = route.module
     counts = torch.empty(group.world_size, dtype=torch.int64, device=idx.device)
     mine = torch.full((1,), idx.numel(), dtype=torch.int64, device=idx.device)
     work = dist.all_gather_into_tensor(counts, mine, group=group, async_op=True)
     call = Call(route, idx, counts, work)
+    if side is not None:
+        call.host = torch.empty(group.world_size, dtype=torch.int64, pin_memory=True)
+        call.event = torch.cuda.Event()
+        with torch.cuda.stream(side):
+            work.wait()  # (the side stream waits for the collective)
+            call.host.copy_(counts, non_blocking=True)
+            call.event.record(side)
+        counts.record_stream(side)
     calls.append(call)
     return _Rows.apply(anchor, idx, m.weight.detach(), m.padding_idx, call)
 
 
-def _host_counts(call: Call, side: Optional[Any]) -> List[int]:
-    """Every rank's count of indices for this call, on the host. The collective is waited for
-    from the host (it raises DistributedError if it failed), then copied on a side stream, so
-    the host never waits for the compute stream's backward."""
-    call.work._work.wait()
-    if side is None:
+def _host_counts(call: Call, rank: int) -> List[int]:
+    """Every rank's count of indices for this call, on the host. On GPUs, polled (so Ctrl-C
+    gets through) until the copy behind the collective is done, raising the collective's
+    DistributedError if it failed; on the cpu backend, the collective's wait."""
+    if call.event is None:
+        call.work._work.wait()
         counts = call.counts.tolist()
     else:
-        with torch.cuda.stream(side):
-            counts = call.counts.tolist()
-    for r, c in enumerate(counts):
-        if not 0 <= c < (1 << 40):
-            raise dist.DistributedError(
-                f"wrap_model: rank {r} reported {c} looked-up indices for embedding "
-                f"'{call.route.name}': the ranks' lookups are out of step (every rank must call "
-                f"the same embeddings in the same order in a synced forward)")
+        while not call.event.query():
+            if call.work.is_completed():
+                call.work._work.wait()  # raises if it failed; the copy is then moments away
+            time.sleep(20e-6)
+        counts = call.host.tolist()
+    if counts[rank] != call.n or any(not 0 <= c < (1 << 40) for c in counts):
+        raise dist.DistributedError(
+            f"wrap_model: the ranks' counts of indices looked up in embedding "
+            f"'{call.route.name}' came back as {counts} (this rank looked up {call.n}): the "
+            f"ranks' lookups are out of step (every rank must call the same embeddings in the "
+            f"same order in a synced forward), or the process group failed")
     return counts
 
 
 def exchange(calls: List[Call], params: List[torch.nn.Parameter], group: Any,
-             wire_dtype: Optional[torch.dtype], side: Optional[Any]) -> None:
+             wire_dtype: Optional[torch.dtype]) -> None:
     """End of a synced backward, after the buckets were reduced and averaged on the current
     stream: adds every rank's lookup gradients, divided by the world size, into the weights'
     averaged gradients. One all-gather per call: each rank's indices (int64, padded with 0 to the
@@ -135,7 +151,7 @@ def exchange(calls: List[Call], params: List[torch.nn.Parameter], group: Any,
     world = group.world_size
     for call in calls:
         p = params[call.route.index]
-        counts = _host_counts(call, side)
+        counts = _host_counts(call, group.rank)
         cap = max(counts)
         grad, call.grad = call.grad, None
         if cap == 0:

@@ -378,7 +378,8 @@ class DistributedModel(torch.nn.Module):
             route = model._routes[r]
             if not route.on or len(args) != 1 or not isinstance(args[0], torch.Tensor):
                 return None
-            return _rows.lookup(route, args[0], model._anchor, model._group, model._calls)
+            return _rows.lookup(route, args[0], model._anchor, model._group, model._calls,
+                                model._side_stream)
         return hook
 
     def _check_params(self) -> Optional[Exception]:
@@ -763,8 +764,7 @@ class DistributedModel(torch.nn.Module):
         self._attach_flushed()
         if self._calls:
             # (in the order of the forward's lookups: the same on every rank)
-            _rows.exchange(self._calls, self._params, self._group, self._grad_dtype,
-                           self._side_stream)
+            _rows.exchange(self._calls, self._params, self._group, self._grad_dtype)
         self._drop_wires()
         if self._rebuild_pending:
             self._rebuild_pending = False
