@@ -103,4 +103,23 @@ ddpc_status ddpc_device_reduce_into(void *dst, const void *const *srcs, int nsrc
                       DDPC_NO_CUDA_HINT, n, ddpc_dtype_name(dt));
 }
 
+ddpc_status ddpc_device_rows_accumulate(void *grad, ddpc_dtype grad_dt, size_t num_rows,
+                                        size_t width, const int64_t *sorted_ids,
+                                        const int64_t *perm, size_t n, const void *rows,
+                                        ddpc_dtype rows_dt, int64_t skip, double scale,
+                                        uintptr_t stream) {
+    (void)grad;
+    (void)num_rows;
+    (void)width;
+    (void)sorted_ids;
+    (void)perm;
+    (void)rows;
+    (void)rows_dt;
+    (void)skip;
+    (void)scale;
+    (void)stream;
+    return ddpc_error(DDPC_ERR_UNAVAILABLE, "cannot add %zu embedding rows into a %s gradient on "
+                      "a device: " DDPC_NO_CUDA_HINT, n, ddpc_dtype_name(grad_dt));
+}
+
 #endif

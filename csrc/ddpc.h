@@ -444,6 +444,15 @@ ddpc_status ddpc_device_cast_many(int n, void *const *dsts, ddpc_dtype dst_dt,
 #define DDPC_DEVICE_REDUCE_MAX_SRCS 7
 ddpc_status ddpc_device_reduce_into(void *dst, const void *const *srcs, int nsrc, ddpc_dtype dt,
                                     size_t n, int div, uintptr_t stream);
+/* The embedding rows' end of backward (python/ddpc/_rows.py): for every run of equal ids in
+ * sorted_ids[0..n) (ascending), grad[id, :] += scale * (the sum over the run, in order, of
+ * rows[perm[k], :]); grad is num_rows x width, rows is (max perm + 1) x width. Ids < 0, == skip or
+ * >= num_rows are left out. One launch; the result depends only on the inputs (no atomics). */
+ddpc_status ddpc_device_rows_accumulate(void *grad, ddpc_dtype grad_dt, size_t num_rows,
+                                        size_t width, const int64_t *sorted_ids,
+                                        const int64_t *perm, size_t n, const void *rows,
+                                        ddpc_dtype rows_dt, int64_t skip, double scale,
+                                        uintptr_t stream);
 
 #ifdef __cplusplus
 }

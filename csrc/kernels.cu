@@ -128,6 +128,71 @@ ddpc_status cast_from(void *dst, const void *src, ddpc_dtype src_dt, size_t n, f
     return ddpc_error(DDPC_ERR_INVALID, "device cast %s: unsupported source dtype", what);
 }
 
+/* Embedding rows (python/ddpc/_rows.py): block j looks at position j of the sorted ids; when it
+ * starts a run of equal ids, it sums that run's rows (in sorted order, each row read through perm)
+ * and adds the sum times scale to grad's row of that id. The order of every addition is fixed by
+ * the sorted ids alone, so every rank computes the same bits from the same inputs. Ids < 0
+ * (padding), == skip (the embedding's padding_idx) or >= num_rows are left out. */
+template <typename G, typename R>
+__global__ void rows_accumulate_kernel(G *grad, size_t num_rows, size_t width,
+                                       const int64_t *__restrict__ ids,
+                                       const int64_t *__restrict__ perm, size_t n,
+                                       const R *__restrict__ rows, int64_t skip,
+                                       acc_t<G, R> scale) {
+    size_t j = blockIdx.x;
+    int64_t id = ids[j];
+    if (j > 0 && ids[j - 1] == id) return;
+    if (id < 0 || id == skip || (uint64_t)id >= num_rows) return;
+    using A = acc_t<G, R>;
+    G *out = grad + (size_t)id * width;
+    for (size_t c = threadIdx.x; c < width; c += blockDim.x) {
+        A acc = 0;
+        for (size_t k = j; k < n && ids[k] == id; k++)
+            acc += static_cast<A>(to_acc(rows[(size_t)perm[k] * width + c]));
+        out[c] = Convert<G>::from(static_cast<A>(to_acc(out[c])) + acc * scale);
+    }
+}
+
+template <typename G, typename R>
+ddpc_status rows_accumulate_launch(void *grad, size_t num_rows, size_t width, const int64_t *ids,
+                                   const int64_t *perm, size_t n, const void *rows, int64_t skip,
+                                   double scale, cudaStream_t stream) {
+    unsigned threads = width >= 256 ? 256 : 32 * (unsigned)ceil_div(width, 32);
+    rows_accumulate_kernel<G, R><<<(unsigned)n, threads, 0, stream>>>(
+        static_cast<G *>(grad), num_rows, width, ids, perm, n, static_cast<const R *>(rows), skip,
+        static_cast<acc_t<G, R>>(scale));
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return ddpc_error(DDPC_ERR_CUDA,
+                          "launching the embedding rows' accumulation (%zu rows of %zu, grid %zu "
+                          "x %u) failed: %s (%s); the stream must belong to the current device "
+                          "(%s:%d)",
+                          n, width, n, threads, cudaGetErrorName(e), cudaGetErrorString(e),
+                          __FILE__, __LINE__);
+    return DDPC_OK;
+}
+
+template <typename G>
+ddpc_status rows_accumulate_from(void *grad, size_t num_rows, size_t width, const int64_t *ids,
+                                 const int64_t *perm, size_t n, const void *rows,
+                                 ddpc_dtype rows_dt, int64_t skip, double scale,
+                                 cudaStream_t st) {
+    switch (rows_dt) {
+    case DDPC_FLOAT32:
+        return rows_accumulate_launch<G, float>(grad, num_rows, width, ids, perm, n, rows, skip,
+                                                scale, st);
+    case DDPC_FLOAT64:
+        return rows_accumulate_launch<G, double>(grad, num_rows, width, ids, perm, n, rows, skip,
+                                                 scale, st);
+    case DDPC_FLOAT16:
+        return rows_accumulate_launch<G, __half>(grad, num_rows, width, ids, perm, n, rows, skip,
+                                                 scale, st);
+    default:
+        return rows_accumulate_launch<G, __nv_bfloat16>(grad, num_rows, width, ids, perm, n, rows,
+                                                        skip, scale, st);
+    }
+}
+
 struct Srcs {
     const void *p[DDPC_DEVICE_REDUCE_MAX_SRCS];
 };
@@ -357,4 +422,38 @@ ddpc_status ddpc_device_cast_many(int n, void *const *dsts, ddpc_dtype dst_dt,
         a.count++;
     }
     return DDPC_OK;
+}
+
+ddpc_status ddpc_device_rows_accumulate(void *grad, ddpc_dtype grad_dt, size_t num_rows,
+                                        size_t width, const int64_t *sorted_ids,
+                                        const int64_t *perm, size_t n, const void *rows,
+                                        ddpc_dtype rows_dt, int64_t skip, double scale,
+                                        uintptr_t stream) {
+    if (!is_float_dtype(grad_dt) || !is_float_dtype(rows_dt))
+        return ddpc_error(DDPC_ERR_INVALID,
+                          "device rows accumulation, %s rows into a %s gradient: only float32, "
+                          "float64, float16 and bfloat16 are supported",
+                          ddpc_dtype_name(rows_dt), ddpc_dtype_name(grad_dt));
+    if (n == 0 || width == 0) return DDPC_OK;
+    if (!grad || !sorted_ids || !perm || !rows)
+        return ddpc_error(DDPC_ERR_INVALID, "device rows accumulation of %zu rows: a NULL pointer",
+                          n);
+    if (n > 0x7fffffffu)
+        return ddpc_error(DDPC_ERR_INVALID, "device rows accumulation: %zu rows, more than one "
+                          "launch takes (2^31 - 1)", n);
+    cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+    switch (grad_dt) {
+    case DDPC_FLOAT32:
+        return rows_accumulate_from<float>(grad, num_rows, width, sorted_ids, perm, n, rows,
+                                           rows_dt, skip, scale, st);
+    case DDPC_FLOAT64:
+        return rows_accumulate_from<double>(grad, num_rows, width, sorted_ids, perm, n, rows,
+                                            rows_dt, skip, scale, st);
+    case DDPC_FLOAT16:
+        return rows_accumulate_from<__half>(grad, num_rows, width, sorted_ids, perm, n, rows,
+                                            rows_dt, skip, scale, st);
+    default:
+        return rows_accumulate_from<__nv_bfloat16>(grad, num_rows, width, sorted_ids, perm, n,
+                                                   rows, rows_dt, skip, scale, st);
+    }
 }

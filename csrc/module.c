@@ -1971,6 +1971,38 @@ static PyObject *mod_nccl_version(PyObject *m, PyObject *unused) {
     return PyUnicode_FromString(ver);
 }
 
+static int dtype_arg(int code, const char *what) {
+    if (code < 0 || code >= DDPC_NUM_DTYPES) {
+        PyErr_Format(PyExc_ValueError, "%s: dtype code %d is not one of ddpc's (0..%d)", what, code,
+                     DDPC_NUM_DTYPES - 1);
+        return 0;
+    }
+    return 1;
+}
+
+/* The embedding rows' accumulation kernel (ddpc_device_rows_accumulate), on raw pointers: the
+ * caller (python/ddpc/_rows.py) keeps the tensors alive and on this device. */
+static PyObject *mod_device_rows_accumulate(PyObject *m, PyObject *args) {
+    unsigned long long grad, ids, perm, rows, stream;
+    unsigned long long num_rows, width, n;
+    int grad_dt, rows_dt;
+    long long skip;
+    double scale;
+    if (!PyArg_ParseTuple(args, "KiKKKKKKiLdK", &grad, &grad_dt, &num_rows, &width, &ids, &perm,
+                          &n, &rows, &rows_dt, &skip, &scale, &stream))
+        return NULL;
+    if (!dtype_arg(grad_dt, "device_rows_accumulate: grad") ||
+        !dtype_arg(rows_dt, "device_rows_accumulate: rows"))
+        return NULL;
+    ddpc_status st = ddpc_device_rows_accumulate(
+        (void *)(uintptr_t)grad, (ddpc_dtype)grad_dt, (size_t)num_rows, (size_t)width,
+        (const int64_t *)(uintptr_t)ids, (const int64_t *)(uintptr_t)perm, (size_t)n,
+        (const void *)(uintptr_t)rows, (ddpc_dtype)rows_dt, (int64_t)skip, scale,
+        (uintptr_t)stream);
+    if (st != DDPC_OK) return raise_status(state_of_module(m), st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_dtype_size(PyObject *m, PyObject *args) {
     (void)m;
     int dt;
@@ -2062,6 +2094,9 @@ static PyMethodDef module_methods[] = {
     {"nccl_version", mod_nccl_version, METH_NOARGS,
      "load NCCL (dlopen) and return its version; raises when it cannot be found"},
     {"dtype_size", mod_dtype_size, METH_VARARGS, "bytes per element of a dtype code"},
+    {"device_rows_accumulate", mod_device_rows_accumulate, METH_VARARGS,
+     "device_rows_accumulate(grad, grad_dtype, num_rows, width, sorted_ids, perm, n, rows, "
+     "rows_dtype, skip, scale, stream): grad[id] += scale * rows of each run of equal ids"},
     {NULL, NULL, 0, NULL},
 };
 

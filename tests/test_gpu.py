@@ -749,6 +749,58 @@ def test_device_kernels():
     assert r.stdout.startswith("ok: "), r.stdout
 
 
+@needs_1_torch
+@pytest.mark.parametrize("grad_dtype,rows_dtype", [
+    ("float32", "float32"), ("float32", "bfloat16"), ("float32", "float16"),
+    ("float64", "float64"), ("bfloat16", "bfloat16"), ("float16", "float32")])
+def test_embedding_rows_kernel(grad_dtype, rows_dtype):
+    """ddpc's accumulation of embedding rows (the end of backward of python/ddpc/_rows.py)
+    against index_put_ in float64: runs of repeated ids, padding ids (-1), the skipped
+    padding_idx, ids past the table; every other row untouched; the same bits twice."""
+    import torch
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(3)
+    num_rows, width, n = 301, 77, 4000
+    gdt, rdt = getattr(torch, grad_dtype), getattr(torch, rows_dtype)
+    ids = torch.randint(-1, num_rows + 3, (n,), generator=g)
+    ids[:1500] = torch.randint(0, 5, (1500,), generator=g)  # long runs
+    skip = 7
+    rows = torch.randn(n, width, generator=g, dtype=torch.float64).to(rdt)
+    grad0 = torch.randn(num_rows, width, generator=g, dtype=torch.float64).to(gdt)
+    sorted_ids, perm = torch.sort(ids, stable=True)
+    keep = (ids >= 0) & (ids != skip) & (ids < num_rows)
+    scale = 0.5
+    ref = grad0.double().index_put_((ids[keep],), rows[keep].double() * scale, accumulate=True)
+    outs = []
+    for _ in range(2):
+        grad = grad0.to(dev)
+        sid, pm, rw = sorted_ids.to(dev), perm.to(dev), rows.to(dev)
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        codes = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
+        _C.device_rows_accumulate(grad.data_ptr(), codes[grad_dtype], num_rows, width,
+                                  sid.data_ptr(), pm.data_ptr(), n, rw.data_ptr(),
+                                  codes[rows_dtype], skip, scale, stream)
+        torch.cuda.synchronize(dev)
+        outs.append(grad.cpu())
+    assert torch.equal(outs[0], outs[1])
+    out = outs[0].double()
+    touched = torch.zeros(num_rows, dtype=torch.bool)
+    touched[ids[keep]] = True
+    assert torch.equal(out[~touched], grad0.double()[~touched])  # untouched rows: the same bits
+    # each row's error: one rounding of the result, and one per addition of its longest run
+    # (float accumulation; double for float64), each at most the unit roundoff times the
+    # magnitudes involved
+    unit = {"float32": 2 ** -24, "float64": 2 ** -53, "float16": 2 ** -11, "bfloat16": 2 ** -8}
+    run = int(torch.bincount(ids[keep]).max())
+    mag = grad0.double().abs().index_put_((ids[keep],), rows[keep].double().abs() * scale,
+                                          accumulate=True)
+    bound = mag * (unit[grad_dtype] + (run + 1) * unit["float64" if grad_dtype == "float64"
+                                                        else "float32"])
+    assert ((out - ref).abs() <= bound).all(), (out - ref).abs().max()
+    with pytest.raises(ValueError, match="NULL pointer"):
+        _C.device_rows_accumulate(0, 0, num_rows, width, 0, 0, n, 0, 0, -1, 1.0, 0)
+
+
 # NCCL_P2P_DISABLE=1 turns the staged path on by default, where a call on a buffer no queued
 # collective touches starts without waiting for the calls before it (the 20 queued calls), while
 # one on a buffer still in flight (the async-then-sync pair) still waits; "small chunks" forces it

@@ -27,7 +27,10 @@ from typing import Any, List, Optional
 
 import torch
 
+from ddpc import _C
 from ddpc import distributed as dist
+
+_CODE = {getattr(torch, name): code for name, code in dist._DTYPE_CODES.items()}
 
 __all__ = ["eligible", "Route", "Call", "lookup", "exchange"]
 
@@ -53,29 +56,37 @@ class Route:
     """One routed embedding: its module, its weight's index among the wrapper's parameters, and
     whether it is routed."""
 
-    __slots__ = ("module", "index", "name", "on")
+    __slots__ = ("module", "index", "name", "on", "cap")
 
     def __init__(self, module: torch.nn.Module, index: int, name: str) -> None:
         self.module = module
         self.index = index
         self.name = name
         self.on = True
+        # Indices per rank that a forward's exchange has room for: the most any rank looked up
+        # in one call so far (0 before the first synced step ends). The same on every rank.
+        self.cap = 0
 
 
 class Call:
-    """One routed lookup: its indices, the exchange of every rank's count, and (once _Rows's
-    backward ran) the gradient of its output."""
+    """One routed lookup: its indices, the exchange started in the forward (every rank's count,
+    and on GPUs its indices, sorted), and (once _Rows's backward ran) the gradient of its
+    output."""
 
-    __slots__ = ("route", "idx", "n", "counts", "work", "host", "event", "grad")
+    __slots__ = ("route", "idx", "n", "cap", "gathered", "work", "host", "event", "sorted_ids",
+                 "perm", "grad")
 
-    def __init__(self, route: Route, idx: torch.Tensor, counts: torch.Tensor, work: Any) -> None:
+    def __init__(self, route: Route, idx: torch.Tensor) -> None:
         self.route = route
         self.idx = idx
         self.n = idx.numel()
-        self.counts = counts  # every rank's count, where the collective writes it
-        self.work = work
-        self.host: Optional[torch.Tensor] = None  # on GPUs: the counts copied to pinned memory
-        self.event: Any = None                     # ... and the end of that copy
+        self.cap = route.cap      # room per rank in this call's exchange of indices
+        self.gathered: Optional[torch.Tensor] = None  # world x (1 + cap): count, then indices
+        self.work: Any = None
+        self.host: Optional[torch.Tensor] = None  # on GPUs: the counts, in pinned memory
+        self.event: Any = None                     # ... ready (and the sort done) after this
+        self.sorted_ids: Optional[torch.Tensor] = None
+        self.perm: Optional[torch.Tensor] = None
         self.grad: Optional[torch.Tensor] = None
 
 
@@ -98,24 +109,35 @@ class _Rows(torch.autograd.Function):
 
 def lookup(route: Route, idx: torch.Tensor, anchor: torch.Tensor, group: Any,
            calls: List[Call], side: Optional[Any]) -> torch.Tensor:
-    """The routed lookup for one call of route's embedding in a synced forward: starts the
-    exchange of this rank's count of indices and appends the call to `calls`. On GPUs the
-    counts then go to pinned host memory on the side stream `side`, behind the collective: the
-    end of backward reads them there without waiting for anything queued since (a copy to
-    ordinary host memory there would wait for the whole backward)."""
+    """The routed lookup for one call of route's embedding in a synced forward, where the host
+    has time to spare: starts an all-gather of this rank's count of indices and, when they fit in
+    route.cap, the indices themselves (padded with -1), and appends the call to `calls`. On GPUs
+    the side stream `side` then waits for it, copies the counts to pinned host memory (the end of
+    backward reads them there without waiting for anything queued since) and sorts every rank's
+    indices, for the accumulation at the end of backward."""
     m = route.module
-    counts = torch.empty(group.world_size, dtype=torch.int64, device=idx.device)
-    mine = torch.full((1,), idx.numel(), dtype=torch.int64, device=idx.device)
-    work = dist.all_gather_into_tensor(counts, mine, group=group, async_op=True)
-    call = Call(route, idx, counts, work)
+    call = Call(route, idx)
+    if side is None:
+        call.cap = 0  # (on the cpu backend the indices go with the rows)
+    world, cap, n = group.world_size, call.cap, call.n
+    send = torch.full((1 + cap,), -1, dtype=torch.int64, device=idx.device)
+    send[0] = n
+    if 0 < n <= cap:
+        send[1:1 + n].copy_(idx.reshape(-1))
+    call.gathered = torch.empty((world, 1 + cap), dtype=torch.int64, device=idx.device)
+    call.work = dist.all_gather_into_tensor(call.gathered, send, group=group, async_op=True)
     if side is not None:
-        call.host = torch.empty(group.world_size, dtype=torch.int64, pin_memory=True)
+        call.host = torch.empty(world, dtype=torch.int64, pin_memory=True)
         call.event = torch.cuda.Event()
         with torch.cuda.stream(side):
-            work.wait()  # (the side stream waits for the collective)
-            call.host.copy_(counts, non_blocking=True)
+            call.work.wait()  # (the side stream waits for the collective)
+            call.host.copy_(call.gathered[:, 0], non_blocking=True)
+            if cap:
+                # A stable sort: equal indices keep rank order, then position order.
+                call.sorted_ids, call.perm = torch.sort(call.gathered[:, 1:].reshape(-1),
+                                                        stable=True)
             call.event.record(side)
-        counts.record_stream(side)
+        call.gathered.record_stream(side)
     calls.append(call)
     return _Rows.apply(anchor, idx, m.weight.detach(), m.padding_idx, call)
 
@@ -126,7 +148,7 @@ def _host_counts(call: Call, rank: int) -> List[int]:
     DistributedError if it failed; on the cpu backend, the collective's wait."""
     if call.event is None:
         call.work._work.wait()
-        counts = call.counts.tolist()
+        counts = call.gathered[:, 0].tolist()
     else:
         while not call.event.query():
             if call.work.is_completed():
@@ -143,52 +165,90 @@ def _host_counts(call: Call, rank: int) -> List[int]:
 
 
 def exchange(calls: List[Call], params: List[torch.nn.Parameter], group: Any,
-             wire_dtype: Optional[torch.dtype]) -> None:
+             wire_dtype: Optional[torch.dtype], stream: int) -> None:
     """End of a synced backward, after the buckets were reduced and averaged on the current
     stream: adds every rank's lookup gradients, divided by the world size, into the weights'
-    averaged gradients. One all-gather per call: each rank's indices (int64, padded with 0 to the
-    largest count) and rows (in wire_dtype or the weight's dtype, padded with zeros)."""
+    averaged gradients, with one all-gather per call. On GPUs, when every rank's indices fit in
+    the call's room (the usual case from the second synced step on), they came with the forward's
+    all-gather: here only the rows go (in wire_dtype or the weight's dtype), and one kernel adds
+    them in the order of the sorted indices. Otherwise the indices go with the rows."""
     world = group.world_size
     for call in calls:
-        p = params[call.route.index]
+        route = call.route
+        p = params[route.index]
         counts = _host_counts(call, group.rank)
-        cap = max(counts)
+        most = max(counts)
         grad, call.grad = call.grad, None
-        if cap == 0:
+        route.cap = max(route.cap, most)
+        if most == 0:
             continue
-        width = p.shape[1]
         wdt = wire_dtype if wire_dtype is not None else p.dtype
-        esize = torch.empty((), dtype=wdt).element_size()
-        idx_bytes = cap * 8
-        row_bytes = cap * width * esize
-        stride = idx_bytes + (row_bytes + 7) // 8 * 8
-        send = torch.empty(stride, dtype=torch.uint8, device=p.device)
-        ids = send[:idx_bytes].view(torch.int64)
-        rows = send[idx_bytes:idx_bytes + row_bytes].view(wdt).view(cap, width)
-        n = call.n
-        if grad is None or n == 0:
-            # (this rank's backward did not reach the lookup: it adds nothing)
-            ids.zero_()
-            rows.zero_()
+        if call.sorted_ids is not None and most <= call.cap and p.grad.is_contiguous():
+            _rows_only(call, p, grad, group, wdt, stream)
         else:
-            flat = call.idx.reshape(-1)
-            ids[:n].copy_(flat)
-            rows[:n].copy_(grad.reshape(n, width))
-            pad = call.route.module.padding_idx
-            if pad is not None:
-                rows[:n].masked_fill_((flat == pad).unsqueeze(1), 0)
-            if n < cap:
-                ids[n:].zero_()   # row 0 gets zeros added: no change
-                rows[n:].zero_()
-        recv = torch.empty(world * stride, dtype=torch.uint8, device=p.device)
-        dist.all_gather_into_tensor(recv, send, group=group)
-        recv = recv.view(world, stride)
-        every_ids = recv[:, :idx_bytes].view(torch.int64).reshape(-1)
-        every_rows = recv[:, idx_bytes:idx_bytes + row_bytes].view(wdt).reshape(world * cap,
-                                                                                 width)
-        values = every_rows.to(p.dtype).mul_(1.0 / world)
-        # accumulate=True sums repeated indices in a fixed order (sorted on CUDA), so every rank
-        # adds the same values the same way and the weights stay identical across ranks.
-        # unsafe=True skips index_put_'s range check, which reads the indices' min and max back
-        # to the host: a host sync with the whole backward. The forward's lookups checked them.
-        torch._index_put_impl_(p.grad, (every_ids,), values, accumulate=True, unsafe=True)
+            _rows_and_indices(call, p, grad, group, wdt, most)
+
+
+def _rows_only(call: Call, p: torch.Tensor, grad: Optional[torch.Tensor], group: Any,
+               wdt: torch.dtype, stream: int) -> None:
+    world, cap, n = group.world_size, call.cap, call.n
+    width = p.shape[1]
+    send = torch.empty((cap, width), dtype=wdt, device=p.device)
+    if n:
+        # (rows past n are never read: their indices are -1)
+        if grad is None:
+            send[:n].zero_()  # this rank's backward did not reach the lookup: it adds nothing
+        else:
+            send[:n].copy_(grad.reshape(n, width))
+    recv = torch.empty((world * cap, width), dtype=wdt, device=p.device)
+    dist.all_gather_into_tensor(recv, send, group=group)
+    cur = torch.cuda.current_stream(p.device)
+    cur.wait_event(call.event)  # the sort on the side stream
+    call.sorted_ids.record_stream(cur)
+    call.perm.record_stream(cur)
+    pad = call.route.module.padding_idx
+    _C.device_rows_accumulate(p.grad.data_ptr(), _CODE[p.dtype], p.shape[0], width,
+                              call.sorted_ids.data_ptr(), call.perm.data_ptr(), world * cap,
+                              recv.data_ptr(), _CODE[wdt], -1 if pad is None else pad,
+                              1.0 / world, stream)
+
+
+def _rows_and_indices(call: Call, p: torch.Tensor, grad: Optional[torch.Tensor], group: Any,
+                      wdt: torch.dtype, cap: int) -> None:
+    """The first synced step, the cpu backend, or a call whose indices outgrew its room: each
+    rank's indices (int64, padded with 0) and rows (padded with zeros) in one all-gather, added
+    with index_put_."""
+    world, n = group.world_size, call.n
+    width = p.shape[1]
+    esize = torch.empty((), dtype=wdt).element_size()
+    idx_bytes = cap * 8
+    row_bytes = cap * width * esize
+    stride = idx_bytes + (row_bytes + 7) // 8 * 8
+    send = torch.empty(stride, dtype=torch.uint8, device=p.device)
+    ids = send[:idx_bytes].view(torch.int64)
+    rows = send[idx_bytes:idx_bytes + row_bytes].view(wdt).view(cap, width)
+    if grad is None or n == 0:
+        # (this rank's backward did not reach the lookup: it adds nothing)
+        ids.zero_()
+        rows.zero_()
+    else:
+        flat = call.idx.reshape(-1)
+        ids[:n].copy_(flat)
+        rows[:n].copy_(grad.reshape(n, width))
+        pad = call.route.module.padding_idx
+        if pad is not None:
+            rows[:n].masked_fill_((flat == pad).unsqueeze(1), 0)
+        if n < cap:
+            ids[n:].zero_()   # row 0 gets zeros added: no change
+            rows[n:].zero_()
+    recv = torch.empty(world * stride, dtype=torch.uint8, device=p.device)
+    dist.all_gather_into_tensor(recv, send, group=group)
+    recv = recv.view(world, stride)
+    every_ids = recv[:, :idx_bytes].view(torch.int64).reshape(-1)
+    every_rows = recv[:, idx_bytes:idx_bytes + row_bytes].view(wdt).reshape(world * cap, width)
+    values = every_rows.to(p.dtype).mul_(1.0 / world)
+    # accumulate=True sums repeated indices in a fixed order (sorted on CUDA), so every rank
+    # adds the same values the same way and the weights stay identical across ranks.
+    # unsafe=True skips index_put_'s range check, which reads the indices' min and max back
+    # to the host: a host sync with the whole backward. The forward's lookups checked them.
+    torch._index_put_impl_(p.grad, (every_ids,), values, accumulate=True, unsafe=True)

@@ -764,7 +764,7 @@ class DistributedModel(torch.nn.Module):
         self._attach_flushed()
         if self._calls:
             # (in the order of the forward's lookups: the same on every rank)
-            _rows.exchange(self._calls, self._params, self._group, self._grad_dtype)
+            _rows.exchange(self._calls, self._params, self._group, self._grad_dtype, stream)
         self._drop_wires()
         if self._rebuild_pending:
             self._rebuild_pending = False
