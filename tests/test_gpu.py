@@ -770,7 +770,8 @@ def test_embedding_rows_kernel(grad_dtype, rows_dtype):
     sorted_ids, perm = torch.sort(ids, stable=True)
     keep = (ids >= 0) & (ids != skip) & (ids < num_rows)
     scale = 0.5
-    ref = grad0.double().index_put_((ids[keep],), rows[keep].double() * scale, accumulate=True)
+    ref = grad0.double().clone().index_put_((ids[keep],), rows[keep].double() * scale,
+                                            accumulate=True)
     outs = []
     for _ in range(2):
         grad = grad0.to(dev)
