@@ -130,7 +130,7 @@ ddpc_status cast_from(void *dst, const void *src, ddpc_dtype src_dt, size_t n, f
 
 /* Embedding rows (python/ddpc/_rows.py): block j looks at position j of the sorted ids; when it
  * starts a run of equal ids, it sums that run's rows (in sorted order, each row read through perm)
- * and adds the sum times scale to grad's row of that id. The order of every addition is fixed by
+ * (row k itself when perm is NULL) and adds the sum times scale to grad's row of that id. The order of every addition is fixed by
  * the sorted ids alone, so every rank computes the same bits from the same inputs. Ids < 0
  * (padding), == skip (the embedding's padding_idx) or >= num_rows are left out. */
 template <typename G, typename R>
@@ -148,7 +148,7 @@ __global__ void rows_accumulate_kernel(G *grad, size_t num_rows, size_t width,
     for (size_t c = threadIdx.x; c < width; c += blockDim.x) {
         A acc = 0;
         for (size_t k = j; k < n && ids[k] == id; k++)
-            acc += static_cast<A>(to_acc(rows[(size_t)perm[k] * width + c]));
+            acc += static_cast<A>(to_acc(rows[(perm ? (size_t)perm[k] : k) * width + c]));
         out[c] = Convert<G>::from(static_cast<A>(to_acc(out[c])) + acc * scale);
     }
 }
@@ -435,7 +435,7 @@ ddpc_status ddpc_device_rows_accumulate(void *grad, ddpc_dtype grad_dt, size_t n
                           "float64, float16 and bfloat16 are supported",
                           ddpc_dtype_name(rows_dt), ddpc_dtype_name(grad_dt));
     if (n == 0 || width == 0) return DDPC_OK;
-    if (!grad || !sorted_ids || !perm || !rows)
+    if (!grad || !sorted_ids || !rows)
         return ddpc_error(DDPC_ERR_INVALID, "device rows accumulation of %zu rows: a NULL pointer",
                           n);
     if (n > 0x7fffffffu)

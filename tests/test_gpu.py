@@ -756,7 +756,8 @@ def test_device_kernels():
 def test_embedding_rows_kernel(grad_dtype, rows_dtype):
     """ddpc's accumulation of embedding rows (the end of backward of python/ddpc/_rows.py)
     against index_put_ in float64: runs of repeated ids, padding ids (-1), the skipped
-    padding_idx, ids past the table; every other row untouched; the same bits twice."""
+    padding_idx, ids past the table; every other row untouched; the same bits twice, and with
+    the rows already in sorted order and no permutation."""
     import torch
     dev = torch.device("cuda", 0)
     g = torch.Generator().manual_seed(3)
@@ -773,17 +774,19 @@ def test_embedding_rows_kernel(grad_dtype, rows_dtype):
     ref = grad0.double().clone().index_put_((ids[keep],), rows[keep].double() * scale,
                                             accumulate=True)
     outs = []
-    for _ in range(2):
+    codes = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    for identity in (False, True, False):
+        # identity: the rows already in sorted order, and no perm (NULL)
         grad = grad0.to(dev)
-        sid, pm, rw = sorted_ids.to(dev), perm.to(dev), rows.to(dev)
-        stream = torch.cuda.current_stream(dev).cuda_stream
-        codes = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
+        sid, pm = sorted_ids.to(dev), perm.to(dev)
+        rw = (rows[perm] if identity else rows).to(dev)
         _C.device_rows_accumulate(grad.data_ptr(), codes[grad_dtype], num_rows, width,
-                                  sid.data_ptr(), pm.data_ptr(), n, rw.data_ptr(),
-                                  codes[rows_dtype], skip, scale, stream)
+                                  sid.data_ptr(), 0 if identity else pm.data_ptr(), n,
+                                  rw.data_ptr(), codes[rows_dtype], skip, scale, stream)
         torch.cuda.synchronize(dev)
         outs.append(grad.cpu())
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     out = outs[0].double()
     touched = torch.zeros(num_rows, dtype=torch.bool)
     touched[ids[keep]] = True

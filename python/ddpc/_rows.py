@@ -11,17 +11,28 @@ So wrap_model routes each plain ``torch.nn.Embedding``'s lookup through ``_Rows`
 lookup, on a detached weight, so autograd's edge from the lookup to the weight is gone. The
 weight's gradient hook then fires as soon as its other uses are done, and its bucket is reduced
 while backward runs. ``_Rows``'s backward keeps the gradient of the lookup's output, and the end of
-backward (after every bucket) gathers each rank's (index, row) pairs and adds them, divided by the
-world size, into the averaged gradient: the same sum, reduced with 1/6 of the traffic for GPT-2.
+backward (after every bucket) gathers each rank's indices and rows and adds them, divided by the
+world size, into the averaged gradient: the same sum, with 1/6 of the traffic for GPT-2.
+
+How much each rank sends must be known on every rank before that all-gather. The counts go
+through the rendezvous store: each forward sets this rank's count, and the end of backward reads
+the others' (set long before). A collective in the forward would do it too, but its kernel
+would spin on the GPU of the rank that is ahead, beside the forward's matrix products, until the
+other arrives: 11 of 132 SMs on an H200, which made those products 45% slower (profiled).
+
+On GPUs each rank sorts its indices in the forward and sends its rows in that order; one kernel
+per rank (csrc/kernels.cu, ddpc_device_rows_accumulate), in rank order, adds each run of equal
+indices: every rank computes the same bits. On the cpu backend, index_put_ adds them.
 
 Every rank must route the same lookups in the same order (the same model and control flow, as
-every collective requires). Ranks may look up different numbers of tokens: each forward exchanges
-its count, and the end of backward pads to the largest. After the first synced step, a route whose
-weight got no gradient from another use on some rank is turned off (its bucket would reduce zeros:
-the dense all-reduce is then cheaper). DDPC_EMBEDDING_ROWS=0 turns routing off.
+every collective requires). After the first synced step, a route whose weight got no gradient
+from another use on some rank is turned off (its bucket would reduce zeros: the dense all-reduce
+is then cheaper). DDPC_EMBEDDING_ROWS=0 turns routing off.
 """
 from __future__ import annotations
 
+import itertools
+import os
 import time
 from typing import Any, List, Optional
 
@@ -30,19 +41,25 @@ import torch
 from ddpc import _C
 from ddpc import distributed as dist
 
-_CODE = {getattr(torch, name): code for name, code in dist._DTYPE_CODES.items()}
+__all__ = ["enabled", "eligible", "Route", "Call", "lookup", "exchange"]
 
-__all__ = ["eligible", "Route", "Call", "lookup", "exchange"]
+_CODE = {getattr(torch, name): code for name, code in dist._DTYPE_CODES.items()}
+# Wrappers are made in the same order on every rank: their number names their store keys.
+_WRAPPERS = itertools.count()
 
 
 def enabled() -> bool:
     """DDPC_EMBEDDING_ROWS: 1 (default) routes embedding lookups, 0 does not."""
-    import os
     v = (os.environ.get("DDPC_EMBEDDING_ROWS") or "1").strip()
     if v not in ("0", "1"):
         raise ValueError(f"DDPC_EMBEDDING_ROWS={v!r}: set it to 1 (exchange embedding lookups' "
                          f"gradients as rows, the default) or 0 (reduce them densely)")
     return v == "1"
+
+
+def new_prefix() -> str:
+    """The store key prefix of a new wrapper's counts."""
+    return f"ddpc/rows/{next(_WRAPPERS)}"
 
 
 def eligible(m: torch.nn.Module) -> bool:
@@ -56,35 +73,28 @@ class Route:
     """One routed embedding: its module, its weight's index among the wrapper's parameters, and
     whether it is routed."""
 
-    __slots__ = ("module", "index", "name", "on", "cap")
+    __slots__ = ("module", "index", "name", "on")
 
     def __init__(self, module: torch.nn.Module, index: int, name: str) -> None:
         self.module = module
         self.index = index
         self.name = name
         self.on = True
-        # Indices per rank that a forward's exchange has room for: the most any rank looked up
-        # in one call so far (0 before the first synced step ends). The same on every rank.
-        self.cap = 0
 
 
 class Call:
-    """One routed lookup: its indices, the exchange started in the forward (every rank's count,
-    and on GPUs its indices, sorted), and (once _Rows's backward ran) the gradient of its
+    """One routed lookup of a synced forward: its indices (sorted, on GPUs, with the order that
+    sorts them), its number in the forward, and (once _Rows's backward ran) the gradient of its
     output."""
 
-    __slots__ = ("route", "idx", "n", "cap", "gathered", "work", "host", "event", "sorted_ids",
-                 "perm", "grad")
+    __slots__ = ("route", "idx", "n", "step", "number", "sorted_ids", "perm", "grad")
 
-    def __init__(self, route: Route, idx: torch.Tensor) -> None:
+    def __init__(self, route: Route, idx: torch.Tensor, step: int, number: int) -> None:
         self.route = route
         self.idx = idx
         self.n = idx.numel()
-        self.cap = route.cap      # room per rank in this call's exchange of indices
-        self.gathered: Optional[torch.Tensor] = None  # world x (1 + cap): count, then indices
-        self.work: Any = None
-        self.host: Optional[torch.Tensor] = None  # on GPUs: the counts, in pinned memory
-        self.event: Any = None                     # ... ready (and the sort done) after this
+        self.step = step
+        self.number = number
         self.sorted_ids: Optional[torch.Tensor] = None
         self.perm: Optional[torch.Tensor] = None
         self.grad: Optional[torch.Tensor] = None
@@ -107,123 +117,128 @@ class _Rows(torch.autograd.Function):
         return None, None, None, None, None
 
 
-def lookup(route: Route, idx: torch.Tensor, anchor: torch.Tensor, group: Any,
-           calls: List[Call], side: Optional[Any]) -> torch.Tensor:
-    """The routed lookup for one call of route's embedding in a synced forward, where the host
-    has time to spare: starts an all-gather of this rank's count of indices and, when they fit in
-    route.cap, the indices themselves (padded with -1), and appends the call to `calls`. On GPUs
-    the side stream `side` then waits for it, copies the counts to pinned host memory (the end of
-    backward reads them there without waiting for anything queued since) and sorts every rank's
-    indices, for the accumulation at the end of backward."""
+def _key(prefix: str, call_number: int, step: int, rank: int) -> str:
+    # Two generations of keys: a rank can be at most one synced step ahead of another when it
+    # sets one (its previous end of backward read every rank's count of the step before).
+    return f"{prefix}/{call_number}/{step % 2}/{rank}"
+
+
+def lookup(route: Route, idx: torch.Tensor, anchor: torch.Tensor, store: Any, prefix: str,
+           rank: int, step: int, calls: List[Call]) -> torch.Tensor:
+    """The routed lookup for one call of route's embedding in the synced forward number `step`,
+    where the host has time to spare: publishes this rank's count of indices, sorts them (on
+    GPUs; queued, the host does not wait), and appends the call to `calls`."""
     m = route.module
-    call = Call(route, idx)
-    if side is None:
-        call.cap = 0  # (on the cpu backend the indices go with the rows)
-    world, cap, n = group.world_size, call.cap, call.n
-    send = torch.full((1 + cap,), -1, dtype=torch.int64, device=idx.device)
-    send[0] = n
-    if 0 < n <= cap:
-        send[1:1 + n].copy_(idx.reshape(-1))
-    call.gathered = torch.empty((world, 1 + cap), dtype=torch.int64, device=idx.device)
-    call.work = dist.all_gather_into_tensor(call.gathered, send, group=group, async_op=True)
-    if side is not None:
-        call.host = torch.empty(world, dtype=torch.int64, pin_memory=True)
-        call.event = torch.cuda.Event()
-        with torch.cuda.stream(side):
-            call.work.wait()  # (the side stream waits for the collective)
-            call.host.copy_(call.gathered[:, 0], non_blocking=True)
-            if cap:
-                # A stable sort: equal indices keep rank order, then position order.
-                call.sorted_ids, call.perm = torch.sort(call.gathered[:, 1:].reshape(-1),
-                                                        stable=True)
-            call.event.record(side)
-        call.gathered.record_stream(side)
+    call = Call(route, idx, step, len(calls))
+    store.set(_key(prefix, call.number, step, rank), f"{step}:{call.n}".encode())
+    if idx.is_cuda and call.n:
+        # stable: equal indices keep their positions' order, the same on every run
+        call.sorted_ids, call.perm = torch.sort(idx.reshape(-1), stable=True)
     calls.append(call)
     return _Rows.apply(anchor, idx, m.weight.detach(), m.padding_idx, call)
 
 
-def _host_counts(call: Call, rank: int) -> List[int]:
-    """Every rank's count of indices for this call, on the host. On GPUs, polled (so Ctrl-C
-    gets through) until the copy behind the collective is done, raising the collective's
-    DistributedError if it failed; on the cpu backend, the collective's wait."""
-    if call.event is None:
-        call.work._work.wait()
-        counts = call.gathered[:, 0].tolist()
-    else:
-        while not call.event.query():
-            if call.work.is_completed():
-                call.work._work.wait()  # raises if it failed; the copy is then moments away
-            time.sleep(20e-6)
-        counts = call.host.tolist()
-    if counts[rank] != call.n or any(not 0 <= c < (1 << 40) for c in counts):
-        raise dist.DistributedError(
-            f"wrap_model: the ranks' counts of indices looked up in embedding "
-            f"'{call.route.name}' came back as {counts} (this rank looked up {call.n}): the "
-            f"ranks' lookups are out of step (every rank must call the same embeddings in the "
-            f"same order in a synced forward), or the process group failed")
+def _counts(call: Call, store: Any, prefix: str, group: Any) -> List[int]:
+    """Every rank's count of indices for this call, from the store: each value is
+    "step:count", and one left from two steps before means its rank has not reached this
+    step's forward yet (it gets until the group's timeout)."""
+    counts = []
+    deadline = time.monotonic() + group.timeout
+    for r in range(group.world_size):
+        if r == group.rank:
+            counts.append(call.n)
+            continue
+        key = _key(prefix, call.number, call.step, r)
+        delay = 20e-6
+        while True:
+            raw = store.get(key, max(0.001, deadline - time.monotonic()))
+            try:
+                step, count = (int(x) for x in raw.decode().split(":"))
+            except ValueError:
+                raise dist.DistributedError(
+                    f"wrap_model: store key {key!r} holds {raw!r}, not a count of the indices "
+                    f"looked up in embedding '{call.route.name}': something else writes ddpc's "
+                    f"keys in this job's store") from None
+            if step == call.step:
+                break
+            if step > call.step or time.monotonic() > deadline:
+                raise dist.DistributedError(
+                    f"wrap_model: rank {r} looked up embedding '{call.route.name}' in synced "
+                    f"forward {step}, this rank is in forward {call.step}"
+                    + (f" and waited {group.timeout:.0f} s" if step < call.step else "")
+                    + ": the ranks are out of step (every rank must call the same embeddings in "
+                    "the same order in every synced forward)")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+        if count < 0:
+            raise dist.DistributedError(f"wrap_model: rank {r} reported {count} indices for "
+                                        f"embedding '{call.route.name}'")
+        counts.append(count)
     return counts
 
 
-def exchange(calls: List[Call], params: List[torch.nn.Parameter], group: Any,
-             wire_dtype: Optional[torch.dtype], stream: int) -> None:
+def exchange(calls: List[Call], params: List[torch.nn.Parameter], group: Any, store: Any,
+             prefix: str, wire_dtype: Optional[torch.dtype], stream: int) -> None:
     """End of a synced backward, after the buckets were reduced and averaged on the current
     stream: adds every rank's lookup gradients, divided by the world size, into the weights'
-    averaged gradients, with one all-gather per call. On GPUs, when every rank's indices fit in
-    the call's room (the usual case from the second synced step on), they came with the forward's
-    all-gather: here only the rows go (in wire_dtype or the weight's dtype), and one kernel adds
-    them in the order of the sorted indices. Otherwise the indices go with the rows."""
-    world = group.world_size
+    averaged gradients, with one all-gather per call of each rank's indices (int64) and rows (in
+    wire_dtype or the weight's dtype), padded to the largest count."""
     for call in calls:
-        route = call.route
-        p = params[route.index]
-        counts = _host_counts(call, group.rank)
-        most = max(counts)
+        p = params[call.route.index]
+        cap = max(_counts(call, store, prefix, group))
         grad, call.grad = call.grad, None
-        route.cap = max(route.cap, most)
-        if most == 0:
+        if cap == 0:
             continue
         wdt = wire_dtype if wire_dtype is not None else p.dtype
-        if call.sorted_ids is not None and most <= call.cap and p.grad.is_contiguous():
-            _rows_only(call, p, grad, group, wdt, stream)
+        if p.is_cuda and p.grad.is_contiguous():
+            _exchange_sorted(call, p, grad, group, wdt, cap, stream)
         else:
-            _rows_and_indices(call, p, grad, group, wdt, most)
+            _exchange_plain(call, p, grad, group, wdt, cap)
 
 
-def _rows_only(call: Call, p: torch.Tensor, grad: Optional[torch.Tensor], group: Any,
-               wdt: torch.dtype, stream: int) -> None:
-    world, cap, n = group.world_size, call.cap, call.n
-    width = p.shape[1]
-    send = torch.empty((cap, width), dtype=wdt, device=p.device)
-    if n:
-        # (rows past n are never read: their indices are -1)
-        if grad is None:
-            send[:n].zero_()  # this rank's backward did not reach the lookup: it adds nothing
-        else:
-            send[:n].copy_(grad.reshape(n, width))
-    recv = torch.empty((world * cap, width), dtype=wdt, device=p.device)
-    dist.all_gather_into_tensor(recv, send, group=group)
-    cur = torch.cuda.current_stream(p.device)
-    cur.wait_event(call.event)  # the sort on the side stream
-    call.sorted_ids.record_stream(cur)
-    call.perm.record_stream(cur)
-    pad = call.route.module.padding_idx
-    _C.device_rows_accumulate(p.grad.data_ptr(), _CODE[p.dtype], p.shape[0], width,
-                              call.sorted_ids.data_ptr(), call.perm.data_ptr(), world * cap,
-                              recv.data_ptr(), _CODE[wdt], -1 if pad is None else pad,
-                              1.0 / world, stream)
-
-
-def _rows_and_indices(call: Call, p: torch.Tensor, grad: Optional[torch.Tensor], group: Any,
-                      wdt: torch.dtype, cap: int) -> None:
-    """The first synced step, the cpu backend, or a call whose indices outgrew its room: each
-    rank's indices (int64, padded with 0) and rows (padded with zeros) in one all-gather, added
-    with index_put_."""
-    world, n = group.world_size, call.n
-    width = p.shape[1]
-    esize = torch.empty((), dtype=wdt).element_size()
+def _layout(cap: int, width: int, wdt: torch.dtype) -> Any:
+    """One rank's part of the all-gather: cap int64 indices, then cap rows of wdt (8-aligned)."""
     idx_bytes = cap * 8
-    row_bytes = cap * width * esize
-    stride = idx_bytes + (row_bytes + 7) // 8 * 8
+    row_bytes = cap * width * torch.empty((), dtype=wdt).element_size()
+    return idx_bytes, row_bytes, idx_bytes + (row_bytes + 7) // 8 * 8
+
+
+def _exchange_sorted(call: Call, p: torch.Tensor, grad: Optional[torch.Tensor], group: Any,
+                     wdt: torch.dtype, cap: int, stream: int) -> None:
+    """GPUs: each rank sends its indices sorted (padded with -1) and its rows in that order; one
+    kernel per rank, in rank order, adds each run of equal indices."""
+    world, n, width = group.world_size, call.n, p.shape[1]
+    idx_bytes, row_bytes, stride = _layout(cap, width, wdt)
+    send = torch.empty(stride, dtype=torch.uint8, device=p.device)
+    ids = send[:idx_bytes].view(torch.int64)
+    rows = send[idx_bytes:idx_bytes + row_bytes].view(wdt).view(cap, width)
+    if n:
+        ids[:n].copy_(call.sorted_ids)
+        if grad is None:
+            rows[:n].zero_()  # this rank's backward did not reach the lookup: it adds nothing
+        elif wdt == grad.dtype:
+            torch.index_select(grad.reshape(n, width), 0, call.perm, out=rows[:n])
+        else:
+            rows[:n].copy_(grad.reshape(n, width)[call.perm])
+    if n < cap:
+        ids[n:].fill_(-1)  # (rows past n are never read)
+    recv = torch.empty(world * stride, dtype=torch.uint8, device=p.device)
+    dist.all_gather_into_tensor(recv, send, group=group)
+    pad = call.route.module.padding_idx
+    base = recv.data_ptr()
+    for r in range(world):
+        _C.device_rows_accumulate(p.grad.data_ptr(), _CODE[p.dtype], p.shape[0], width,
+                                  base + r * stride, 0, cap, base + r * stride + idx_bytes,
+                                  _CODE[wdt], -1 if pad is None else pad, 1.0 / world, stream)
+
+
+def _exchange_plain(call: Call, p: torch.Tensor, grad: Optional[torch.Tensor], group: Any,
+                    wdt: torch.dtype, cap: int) -> None:
+    """The cpu backend: each rank's indices (padded with 0) and rows (padded with zeros) in one
+    all-gather, added with index_put_ (accumulate=True sums repeated indices in a fixed order,
+    so every rank adds the same values the same way)."""
+    world, n, width = group.world_size, call.n, p.shape[1]
+    idx_bytes, row_bytes, stride = _layout(cap, width, wdt)
     send = torch.empty(stride, dtype=torch.uint8, device=p.device)
     ids = send[:idx_bytes].view(torch.int64)
     rows = send[idx_bytes:idx_bytes + row_bytes].view(wdt).view(cap, width)
@@ -247,8 +262,6 @@ def _rows_and_indices(call: Call, p: torch.Tensor, grad: Optional[torch.Tensor],
     every_ids = recv[:, :idx_bytes].view(torch.int64).reshape(-1)
     every_rows = recv[:, idx_bytes:idx_bytes + row_bytes].view(wdt).reshape(world * cap, width)
     values = every_rows.to(p.dtype).mul_(1.0 / world)
-    # accumulate=True sums repeated indices in a fixed order (sorted on CUDA), so every rank
-    # adds the same values the same way and the weights stay identical across ranks.
-    # unsafe=True skips index_put_'s range check, which reads the indices' min and max back
-    # to the host: a host sync with the whole backward. The forward's lookups checked them.
+    # unsafe=True skips index_put_'s range check, which on a GPU would read the indices back to
+    # the host (a sync with the whole backward); the forward's lookups checked them.
     torch._index_put_impl_(p.grad, (every_ids,), values, accumulate=True, unsafe=True)

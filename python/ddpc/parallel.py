@@ -353,9 +353,11 @@ class DistributedModel(torch.nn.Module):
         self._routes: List[_rows.Route] = []
         self._routing = False     # True only while a synced forward runs the module
         self._calls: List[_rows.Call] = []   # the last synced forward's routed lookups
+        self._rows_step = 0       # synced forwards that routed lookups (the same on every rank)
         self._anchor = torch.zeros((), requires_grad=True)
-        self._side_stream: Any = None
-        if not _rows.enabled() or self._world == 1:
+        # (the counts go through the store of the default group; another group's ranks reduce
+        # their embeddings densely)
+        if not _rows.enabled() or self._world == 1 or self._group is not dist._default_group():
             return []
         index = {id(p): i for i, p in enumerate(self._params)}
         handles = []
@@ -365,8 +367,9 @@ class DistributedModel(torch.nn.Module):
             self._routes.append(_rows.Route(m, index[id(m.weight)], name or "(the module)"))
             handles.append(m.register_forward_hook(
                 self._make_route_hook(weakref.ref(self), len(self._routes) - 1)))
-        if self._routes and self._device.type == "cuda":
-            self._side_stream = torch.cuda.Stream(self._device)
+        if self._routes:
+            self._rows_store = dist.get_store()
+            self._rows_prefix = _rows.new_prefix()
         return handles
 
     @staticmethod
@@ -378,8 +381,9 @@ class DistributedModel(torch.nn.Module):
             route = model._routes[r]
             if not route.on or len(args) != 1 or not isinstance(args[0], torch.Tensor):
                 return None
-            return _rows.lookup(route, args[0], model._anchor, model._group, model._calls,
-                                model._side_stream)
+            return _rows.lookup(route, args[0], model._anchor, model._rows_store,
+                                model._rows_prefix, model._group.rank, model._rows_step,
+                                model._calls)
         return hook
 
     def _check_params(self) -> Optional[Exception]:
@@ -764,7 +768,8 @@ class DistributedModel(torch.nn.Module):
         self._attach_flushed()
         if self._calls:
             # (in the order of the forward's lookups: the same on every rank)
-            _rows.exchange(self._calls, self._params, self._group, self._grad_dtype, stream)
+            _rows.exchange(self._calls, self._params, self._group, self._rows_store,
+                           self._rows_prefix, self._grad_dtype, stream)
         self._drop_wires()
         if self._rebuild_pending:
             self._rebuild_pending = False
@@ -847,6 +852,7 @@ class DistributedModel(torch.nn.Module):
         routing = grad_on and self._require_sync and bool(self._routes)
         if routing:
             self._calls = []
+            self._rows_step += 1
             self._routing = True
         try:
             output = self.module(*inputs, **kwargs)
