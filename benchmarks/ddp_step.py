@@ -431,11 +431,12 @@ def _worker(rank, args, ports, results):
             static_graph=True)),
         *pair("ddpc", "ddpc grad_dtype=bf16"),
     ]
-    if args.dense_embeddings:
-        # What exchanging the embedding lookups' gradients as rows saves (ddpc/_rows.py): the
-        # tied table reduced densely at the end of backward instead (DDPC_EMBEDDING_ROWS=0, read
-        # by wrap_model).
-        variants += pair("ddpc dense embedding", "ddpc bf16 dense embedding",
+    if args.embedding_rows:
+        # What exchanging the embedding lookups' gradients as rows does (ddpc/_rows.py), forced
+        # on and forced off (DDPC_EMBEDDING_ROWS, read by wrap_model; by default it is on only
+        # where the GPUs do not reach each other directly).
+        variants += pair("ddpc rows on", "ddpc bf16 rows on", env={"DDPC_EMBEDDING_ROWS": "1"})
+        variants += pair("ddpc rows off", "ddpc bf16 rows off",
                          env={"DDPC_EMBEDDING_ROWS": "0"})
     if args.per_gradient:
         # What copying (casting) a bucket's gradients in one launch when it is complete saves:
@@ -614,10 +615,10 @@ def main() -> int:
     ap.add_argument("--bf16-via-bucket", action="store_true",
                     help="also run ddpc with bf16 gradients copied into their bucket slots "
                          "before the cast (the path before gradients went straight to the wire)")
-    ap.add_argument("--dense-embeddings", action="store_true",
-                    help="also run ddpc (float32 and bf16 gradients) with the embedding tables' "
-                         "gradients all-reduced densely at the end of backward "
-                         "(DDPC_EMBEDDING_ROWS=0) instead of their lookups' rows exchanged")
+    ap.add_argument("--embedding-rows", action="store_true",
+                    help="also run ddpc (float32 and bf16 gradients) with the embedding lookups' "
+                         "gradients exchanged as rows (DDPC_EMBEDDING_ROWS=1) and with the "
+                         "tables all-reduced densely at the end of backward (=0)")
     ap.add_argument("--per-gradient", action="store_true",
                     help="also run ddpc with each gradient copied (cast) into its bucket as it "
                          "arrives, one launch each (DDPC_GRAD_BATCH=0), instead of a bucket's "

@@ -613,7 +613,25 @@ def sc_embedding_rows(rank: int, dev: torch.device) -> Dict[str, Any]:
     exact average of every rank's local gradients, per step: tied and untied output heads, a
     padding row, a table looked up twice, no_sync, autocast and a bf16 wire; ranks look up
     different numbers of tokens. Also which lookups stayed routed, and which gradient the
-    first synced step saw first."""
+    first synced step saw first (all with DDPC_EMBEDDING_ROWS=1); and whether a wrapper routes
+    by default (DDPC_EMBEDDING_ROWS unset: auto)."""
+    import ddpc
+    from ddpc.parallel import _direct
+    group = ddpc.distributed._default_group()
+    # Unset (auto): routed unless the GPUs reach each other directly.
+    os.environ.pop("DDPC_EMBEDDING_ROWS", None)
+    auto = {"routed": bool(ddpc.wrap_model(make(RowsLM, rank, torch.float32, dev))._routes),
+            "direct": _direct(group)}
+    os.environ["DDPC_EMBEDDING_ROWS"] = "1"  # (read by wrap_model)
+    try:
+        out = _embedding_rows_cases(rank, dev)
+    finally:
+        del os.environ["DDPC_EMBEDDING_ROWS"]
+    out["auto"] = auto
+    return out
+
+
+def _embedding_rows_cases(rank: int, dev: torch.device) -> Dict[str, Any]:
     import ddpc
     cases = {"tied": {}, "untied": {"tied": False}, "padding": {"padding_idx": 3},
              "twice": {"twice": True}, "no_sync": {}, "autocast": {}, "bf16": {}}
@@ -928,6 +946,9 @@ def check_memory(runs: Dict[int, Dict[str, Any]]) -> None:
 
 def check_embedding_rows(runs: Dict[int, Dict[str, Any]]) -> None:
     for r in result(runs, "embedding_rows"):
+        auto = r.pop("auto")
+        if len(runs) > 1:
+            assert auto["routed"] == (not auto["direct"]), auto
         wait = r.pop("host_wait", None)
         if wait is not None and len(runs) > 1:
             assert wait["routed"] == 1.0, wait

@@ -27,7 +27,7 @@ indices: every rank computes the same bits. On the cpu backend, index_put_ adds 
 Every rank must route the same lookups in the same order (the same model and control flow, as
 every collective requires). After the first synced step, a route whose weight got no gradient
 from another use on some rank is turned off (its bucket would reduce zeros: the dense all-reduce
-is then cheaper). DDPC_EMBEDDING_ROWS=0 turns routing off.
+is then cheaper). DDPC_EMBEDDING_ROWS (mode()) says where routing is on.
 """
 from __future__ import annotations
 
@@ -41,20 +41,25 @@ import torch
 from ddpc import _C
 from ddpc import distributed as dist
 
-__all__ = ["enabled", "eligible", "Route", "Call", "lookup", "exchange"]
+__all__ = ["mode", "eligible", "Route", "Call", "lookup", "exchange"]
 
 _CODE = {getattr(torch, name): code for name, code in dist._DTYPE_CODES.items()}
 # Wrappers are made in the same order on every rank: their number names their store keys.
 _WRAPPERS = itertools.count()
 
 
-def enabled() -> bool:
-    """DDPC_EMBEDDING_ROWS: 1 (default) routes embedding lookups, 0 does not."""
-    v = (os.environ.get("DDPC_EMBEDDING_ROWS") or "1").strip()
-    if v not in ("0", "1"):
+def mode() -> str:
+    """DDPC_EMBEDDING_ROWS: "1" routes embedding lookups, "0" does not, "auto" (the default)
+    routes them unless the GPUs reach each other directly. Measured on 2 H200s (GPT-2, session
+    13 in benchmarks/README.md), routing gained nothing over NVLink, where the dense all-reduce
+    at the end takes 0.3-0.5 ms and routing's own host work about as much, and gained 1-3 points
+    of scaling through host memory (NCCL_P2P_DISABLE=1), where that all-reduce takes 2-5 ms."""
+    v = (os.environ.get("DDPC_EMBEDDING_ROWS") or "auto").strip()
+    if v not in ("0", "1", "auto"):
         raise ValueError(f"DDPC_EMBEDDING_ROWS={v!r}: set it to 1 (exchange embedding lookups' "
-                         f"gradients as rows, the default) or 0 (reduce them densely)")
-    return v == "1"
+                         f"gradients as rows), 0 (reduce them densely) or auto (rows unless the "
+                         f"GPUs reach each other directly; the default)")
+    return v
 
 
 def new_prefix() -> str:

@@ -308,7 +308,7 @@ class DistributedModel(torch.nn.Module):
                 ("grad_dtype", str(grad_dtype).replace("torch.", "")),
                 ("broadcast_buffers", str(broadcast_buffers)),
                 ("DDPC_TAIL_BUCKET_MB", _env_number("DDPC_TAIL_BUCKET_MB")),
-                ("DDPC_EMBEDDING_ROWS", os.environ.get("DDPC_EMBEDDING_ROWS") or "1")])
+                ("DDPC_EMBEDDING_ROWS", os.environ.get("DDPC_EMBEDDING_ROWS") or "auto")])
             if self._world > 1:
                 _broadcast_flat([p.data for p in module.parameters()] + list(module.buffers()),
                                 group, self._device)
@@ -357,7 +357,9 @@ class DistributedModel(torch.nn.Module):
         self._anchor = torch.zeros((), requires_grad=True)
         # (the counts go through the store of the default group; another group's ranks reduce
         # their embeddings densely)
-        if not _rows.enabled() or self._world == 1 or self._group is not dist._default_group():
+        mode = _rows.mode()
+        if mode == "0" or (mode == "auto" and _direct(self._group)) or self._world == 1 \
+                or self._group is not dist._default_group():
             return []
         index = {id(p): i for i, p in enumerate(self._params)}
         handles = []
@@ -1016,10 +1018,15 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 DIRECT_BUCKET_CAP_MB = 100.0
 
 
+def _direct(group: Any) -> bool:
+    """Do the group's GPUs reach each other directly (NCCL with P2P: NVLink or PCIe)?"""
+    return (group.backend == "nccl" and group.world_size > 1 and group.fast_max_bytes > 0
+            and group.staged_min_bytes == 0)
+
+
 def default_bucket_cap_mb(group: Any, grad_dtype: Optional[torch.dtype] = None) -> float:
     """What wrap_model uses when bucket_cap_mb is None, for this group and grad_dtype."""
-    if group.backend == "nccl" and group.world_size > 1 and group.fast_max_bytes > 0 \
-            and group.staged_min_bytes == 0:
+    if _direct(group):
         return DIRECT_BUCKET_CAP_MB * (2 if grad_dtype in (torch.bfloat16, torch.float16)
                                        else 1)
     return DEFAULT_BUCKET_CAP_MB
