@@ -146,40 +146,53 @@ def lookup(route: Route, idx: torch.Tensor, anchor: torch.Tensor, store: Any, pr
 def _counts(call: Call, store: Any, prefix: str, group: Any) -> List[int]:
     """Every rank's count of indices for this call, from the store: each value is
     "step:count", and one left from two steps before means its rank has not reached this
-    step's forward yet (it gets until the group's timeout)."""
+    step's forward yet (it gets until the group's timeout). Ranks found out of step abort the
+    group, so that the others' next collectives fail with the same message."""
     counts = []
     deadline = time.monotonic() + group.timeout
     for r in range(group.world_size):
         if r == group.rank:
             counts.append(call.n)
             continue
-        key = _key(prefix, call.number, call.step, r)
-        delay = 20e-6
-        while True:
-            raw = store.get(key, max(0.001, deadline - time.monotonic()))
-            try:
-                step, count = (int(x) for x in raw.decode().split(":"))
-            except ValueError:
-                raise dist.DistributedError(
-                    f"wrap_model: store key {key!r} holds {raw!r}, not a count of the indices "
-                    f"looked up in embedding '{call.route.name}': something else writes ddpc's "
-                    f"keys in this job's store") from None
-            if step == call.step:
-                break
-            if step > call.step or time.monotonic() > deadline:
-                raise dist.DistributedError(
-                    f"wrap_model: rank {r} looked up embedding '{call.route.name}' in synced "
-                    f"forward {step}, this rank is in forward {call.step}"
-                    + (f" and waited {group.timeout:.0f} s" if step < call.step else "")
-                    + ": the ranks are out of step (every rank must call the same embeddings in "
-                    "the same order in every synced forward)")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
-        if count < 0:
-            raise dist.DistributedError(f"wrap_model: rank {r} reported {count} indices for "
-                                        f"embedding '{call.route.name}'")
-        counts.append(count)
+        counts.append(_count_of(call, r, store, prefix, group, deadline))
     return counts
+
+
+def _count_of(call: Call, r: int, store: Any, prefix: str, group: Any, deadline: float) -> int:
+    key = _key(prefix, call.number, call.step, r)
+    where = (f"embedding '{call.route.name}' (lookup {call.number + 1} of synced forward "
+             f"{call.step})")
+    delay = 20e-6
+    while True:
+        try:
+            raw = store.get(key, max(0.001, deadline - time.monotonic()))
+        except _C.DistributedError as e:
+            _out_of_step(group, f"wrap_model: rank {group.rank} waited {group.timeout:.0f} s for "
+                                f"rank {r}'s count of indices for {where}, which never came "
+                                f"({e}): the ranks are out of step{_FIX}")
+        try:
+            step, count = (int(x) for x in raw.decode().split(":"))
+        except ValueError:
+            _out_of_step(group, f"wrap_model: store key {key!r} holds {raw!r}, not a count of "
+                                f"indices for {where}: something else writes ddpc's keys in "
+                                f"this job's store")
+        if step == call.step and count >= 0:
+            return count
+        if step > call.step or count < 0 or time.monotonic() > deadline:
+            _out_of_step(group, f"wrap_model: rank {r} reported {count} indices in synced forward "
+                                f"{step} for {where}: the ranks are out of step{_FIX}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
+
+
+_FIX = (" (with embedding rows, every rank must look up the same embeddings the same number of "
+        "times in every synced forward; for a model whose lookups differ between ranks, set "
+        "DDPC_EMBEDDING_ROWS=0 on every rank: the tables are then all-reduced densely)")
+
+
+def _out_of_step(group: Any, msg: str) -> None:
+    group.abort(msg)
+    raise _C.MismatchError(msg)
 
 
 def exchange(calls: List[Call], params: List[torch.nn.Parameter], group: Any, store: Any,

@@ -1,0 +1,73 @@
+"""Embedding rows (python/ddpc/_rows.py) when the ranks' lookups are out of step: on 2 real
+processes (cpu backend, where routing is on by default, a 3 s timeout), rank 0 looks the table
+up twice per forward and rank 1 once. Rank 0 must raise a MismatchError that names the embedding,
+the lookup and rank 1, within the timeout, and abort the group, so that rank 1's next collective
+fails with the same explanation instead of waiting out its own timeout. The right results of
+routing (tied and untied tables, padding, uneven counts, no_sync, bf16) are checked by
+tests/test_gpu_wrap_model.py's scenario, which tests/test_wrap_model.py runs on the cpu backend.
+"""
+import os
+import time
+
+import torch
+from _procs import spawn_scenarios
+
+TIMEOUT = 3.0
+
+
+class Twice(torch.nn.Module):
+    def __init__(self, lookups: int) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(13, 4)
+        self.lookups = lookups
+
+    def forward(self, tokens):
+        h = sum(self.emb(tokens) for _ in range(self.lookups))
+        return h @ self.emb.weight.t()
+
+
+def sc_out_of_step(rank):
+    import ddpc
+    torch.manual_seed(0)
+    wrapped = ddpc.wrap_model(Twice(2 if rank == 0 else 1))
+    out = {"routes": len(wrapped._routes)}
+    t0 = time.monotonic()
+    try:
+        loss = wrapped(torch.randint(0, 13, (2, 5))).square().mean()
+        loss.backward()
+        ddpc.barrier()
+        out["error"] = None
+    except ddpc.DistributedError as e:
+        out["error"] = (type(e).__name__, str(e))
+    out["seconds"] = time.monotonic() - t0
+    return out
+
+
+def _worker(rank, port, results):
+    os.environ["DDPC_TOKEN"] = "test-embedding-rows"
+    os.environ.pop("DDPC_EMBEDDING_ROWS", None)
+    torch.set_num_threads(1)
+    import ddpc
+    from _procs import report_scenarios
+    ddpc.init_process_group(backend="cpu", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=TIMEOUT)
+    report_scenarios([("out_of_step", sc_out_of_step)], rank, results)
+
+
+def test_ranks_out_of_step_raise_and_name_the_lookup():
+    runs = spawn_scenarios(_worker, 2, 60)
+    outs = []
+    for rank in (0, 1):
+        status, value = runs[rank]["out_of_step"]
+        assert status == "ok", value
+        outs.append(value)
+    r0, r1 = outs
+    assert r0["routes"] == 1 and r1["routes"] == 1  # routed by default on the cpu backend
+    name, msg = r0["error"]
+    assert name == "MismatchError", r0
+    assert "rank 0 waited" in msg and "rank 1's count of indices" in msg, msg
+    assert "embedding 'emb' (lookup 2 of synced forward 1)" in msg and "out of step" in msg, msg
+    assert "set DDPC_EMBEDDING_ROWS=0 on every rank" in msg, msg
+    assert r0["seconds"] < TIMEOUT + 5, r0
+    assert r1["error"] is not None and "out of step" in r1["error"][1], r1
+    assert r1["seconds"] < TIMEOUT + 10, r1
