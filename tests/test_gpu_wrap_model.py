@@ -671,8 +671,59 @@ def _embedding_rows_cases(rank: int, dev: torch.device) -> Dict[str, Any]:
             opt.step()
         out[case] = {"errs": errs, "routes": {r.name: r.on for r in wrapped._routes},
                      "first": wrapped._names[wrapped._order[0]]}
+    out["graphs"] = rows_graphs(rank, dev)
     if dev.type == "cuda":
         out["host_wait"] = rows_host_wait(rank, dev)
+    return out
+
+
+def rows_graphs(rank: int, dev: torch.device) -> Dict[str, Any]:
+    """Routed lookups across forwards and backwards, against the exact average: two forwards
+    then one backward through both; a forward whose output never reaches a backward, then a
+    step; a second backward through the same graph (retain_graph); and a gradient reaching a
+    lookup made RING synced forwards before (its exchange dropped), which must raise."""
+    import ddpc
+    from ddpc import _rows
+    model = make(RowsLM, rank, torch.float64, dev)
+    wrapped = ddpc.wrap_model(model)
+
+    def loss_of(m: Any, r: int, k: int) -> torch.Tensor:
+        tok, tgt = rows_batch(50 + k, r, dev)
+        return torch.nn.functional.cross_entropy(m(tok).reshape(-1, 29), tgt.reshape(-1))
+
+    def err(expected: List[torch.Tensor]) -> float:
+        return max(((p.grad - e).abs().max() / e.abs().max()).item()
+                   for p, e in zip(model.parameters(), expected))
+
+    out: Dict[str, Any] = {}
+    for step in range(3):  # (the first synced step decides which lookups stay routed)
+        for p in model.parameters():
+            p.grad = None
+        expected = averaged_grads(model, lambda m, r: loss_of(m, r, 0) + loss_of(m, r, 1))
+        (loss_of(wrapped, rank, 0) + loss_of(wrapped, rank, 1)).backward()
+        out.setdefault("two_forwards", []).append(err(expected))
+    for p in model.parameters():
+        p.grad = None
+    loss_of(wrapped, rank, 2)  # never backpropagated
+    expected = averaged_grads(model, lambda m, r: loss_of(m, r, 3))
+    loss_of(wrapped, rank, 3).backward()
+    out["unused_forward"] = err(expected)
+    for p in model.parameters():
+        p.grad = None
+    expected = averaged_grads(model, lambda m, r: 2 * loss_of(m, r, 4))
+    loss = loss_of(wrapped, rank, 4)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    out["retain_graph"] = err(expected)
+    first = loss_of(wrapped, rank, 5)
+    for k in range(_rows.RING):
+        loss_of(wrapped, rank, 6 + k)
+    try:
+        first.backward()
+        out["dropped"] = None
+    except RuntimeError as e:
+        out["dropped"] = str(e)
+    out["routed"] = [r.on for r in wrapped._routes]
     return out
 
 
@@ -949,6 +1000,13 @@ def check_embedding_rows(runs: Dict[int, Dict[str, Any]]) -> None:
         auto = r.pop("auto")
         if len(runs) > 1:
             assert auto["routed"] == (not auto["direct"]), auto
+        graphs = r.pop("graphs")
+        for case in ("two_forwards", "unused_forward", "retain_graph"):
+            assert max(graphs[case] if isinstance(graphs[case], list) else [graphs[case]]) \
+                < 1e-12, (case, graphs)
+        if len(runs) > 1:
+            assert graphs["routed"] == [True, False], graphs  # (tok stays routed, pos not)
+            assert "made 16 or more synced forwards ago" in (graphs["dropped"] or ""), graphs
         wait = r.pop("host_wait", None)
         if wait is not None and len(runs) > 1:
             assert wait["routed"] == 1.0, wait

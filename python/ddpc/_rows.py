@@ -87,14 +87,22 @@ class Route:
         self.on = True
 
 
+# Store keys per call number in a ring of this many synced forwards: a lookup's count must be
+# read (at an end of backward) before its rank has run this many more synced forwards.
+RING = 16
+
+
 class Call:
     """One routed lookup of a synced forward: its indices (sorted, on GPUs, with the order that
-    sorts them), its number in the forward, and (once _Rows's backward ran) the gradient of its
-    output."""
+    sorts them), its synced forward and its number there, and (once _Rows's backward ran) the
+    gradient of its output. `queue` is the wrapper's list of calls to exchange at the next end
+    of backward, which holds it while `queued`."""
 
-    __slots__ = ("route", "idx", "n", "step", "number", "sorted_ids", "perm", "grad")
+    __slots__ = ("route", "idx", "n", "step", "number", "sorted_ids", "perm", "grad", "queue",
+                 "queued", "dropped")
 
-    def __init__(self, route: Route, idx: torch.Tensor, step: int, number: int) -> None:
+    def __init__(self, route: Route, idx: torch.Tensor, step: int, number: int,
+                 queue: List["Call"]) -> None:
         self.route = route
         self.idx = idx
         self.n = idx.numel()
@@ -103,6 +111,22 @@ class Call:
         self.sorted_ids: Optional[torch.Tensor] = None
         self.perm: Optional[torch.Tensor] = None
         self.grad: Optional[torch.Tensor] = None
+        self.queue = queue
+        self.queued = True
+        self.dropped = False
+
+
+def prune(calls: List[Call], step: int) -> List[Call]:
+    """The calls to keep queued when synced forward `step` begins: those of the last RING - 1
+    synced forwards (forwards with autograd on whose outputs never reach a backward would
+    otherwise pile up). A dropped call's lookup raises if a gradient reaches it later."""
+    keep = []
+    for c in calls:
+        if c.step > step - RING:
+            keep.append(c)
+        else:
+            c.dropped, c.queued = True, False
+    return keep
 
 
 class _Rows(torch.autograd.Function):
@@ -118,14 +142,23 @@ class _Rows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        ctx.call.grad = grad
+        call = ctx.call
+        if call.dropped:
+            raise RuntimeError(
+                f"wrap_model: a gradient reached a lookup of embedding '{call.route.name}' made "
+                f"{RING} or more synced forwards ago, whose exchange was dropped: run forwards "
+                f"whose outputs you do not backpropagate under torch.no_grad() or no_sync(), or "
+                f"set DDPC_EMBEDDING_ROWS=0 on every rank")
+        call.grad = grad
+        if not call.queued:
+            # (a second backward through the same graph: exchanged again at its end)
+            call.queue.append(call)
+            call.queued = True
         return None, None, None, None, None
 
 
 def _key(prefix: str, call_number: int, step: int, rank: int) -> str:
-    # Two generations of keys: a rank can be at most one synced step ahead of another when it
-    # sets one (its previous end of backward read every rank's count of the step before).
-    return f"{prefix}/{call_number}/{step % 2}/{rank}"
+    return f"{prefix}/{step % RING}/{call_number}/{rank}"
 
 
 def lookup(route: Route, idx: torch.Tensor, anchor: torch.Tensor, store: Any, prefix: str,
@@ -134,7 +167,8 @@ def lookup(route: Route, idx: torch.Tensor, anchor: torch.Tensor, store: Any, pr
     where the host has time to spare: publishes this rank's count of indices, sorts them (on
     GPUs; queued, the host does not wait), and appends the call to `calls`."""
     m = route.module
-    call = Call(route, idx, step, len(calls))
+    number = sum(1 for c in calls if c.step == step)
+    call = Call(route, idx, step, number, calls)
     store.set(_key(prefix, call.number, step, rank), f"{step}:{call.n}".encode())
     if idx.is_cuda and call.n:
         # stable: equal indices keep their positions' order, the same on every run
@@ -179,8 +213,11 @@ def _count_of(call: Call, r: int, store: Any, prefix: str, group: Any, deadline:
         if step == call.step and count >= 0:
             return count
         if step > call.step or count < 0 or time.monotonic() > deadline:
+            ahead = (f" ({RING} or more synced forwards without a backward? run forwards whose "
+                     f"outputs you do not backpropagate under torch.no_grad() or no_sync())"
+                     if step >= call.step + RING else "")
             _out_of_step(group, f"wrap_model: rank {r} reported {count} indices in synced forward "
-                                f"{step} for {where}: the ranks are out of step{_FIX}")
+                                f"{step} for {where}: the ranks are out of step{ahead}{_FIX}")
         time.sleep(delay)
         delay = min(delay * 2, 0.01)
 
@@ -201,7 +238,10 @@ def exchange(calls: List[Call], params: List[torch.nn.Parameter], group: Any, st
     stream: adds every rank's lookup gradients, divided by the world size, into the weights'
     averaged gradients, with one all-gather per call of each rank's indices (int64) and rows (in
     wire_dtype or the weight's dtype), padded to the largest count."""
-    for call in calls:
+    pending = list(calls)
+    del calls[:]
+    for call in pending:
+        call.queued = False
         p = params[call.route.index]
         cap = max(_counts(call, store, prefix, group))
         grad, call.grad = call.grad, None

@@ -352,7 +352,10 @@ class DistributedModel(torch.nn.Module):
         (ddpc/_rows.py says why); returns the forward hooks' handles."""
         self._routes: List[_rows.Route] = []
         self._routing = False     # True only while a synced forward runs the module
-        self._calls: List[_rows.Call] = []   # the last synced forward's routed lookups
+        # Routed lookups whose gradients the next end of backward exchanges, in order (the same
+        # on every rank): every synced forward's since the last end of backward, and those that
+        # got a gradient again (a second backward through the same graph).
+        self._calls: List[_rows.Call] = []
         self._rows_step = 0       # synced forwards that routed lookups (the same on every rank)
         self._anchor = torch.zeros((), requires_grad=True)
         # (the counts go through the store of the default group; another group's ranks reduce
@@ -853,8 +856,8 @@ class DistributedModel(torch.nn.Module):
         t1 = time.perf_counter_ns()
         routing = grad_on and self._require_sync and bool(self._routes)
         if routing:
-            self._calls = []
             self._rows_step += 1
+            self._calls[:] = _rows.prune(self._calls, self._rows_step)
             self._routing = True
         try:
             output = self.module(*inputs, **kwargs)
