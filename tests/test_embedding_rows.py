@@ -71,3 +71,28 @@ def test_ranks_out_of_step_raise_and_name_the_lookup():
     assert r0["seconds"] < TIMEOUT + 5, r0
     assert r1["error"] is not None and "out of step" in r1["error"][1], r1
     assert r1["seconds"] < TIMEOUT + 10, r1
+
+
+def test_prune_forgets_stale_gradients_and_drops_old_lookups():
+    """At a synced forward: a queued lookup that holds a gradient got it from a backward that
+    raised before its end (forgotten, like the reducer's lost step); lookups RING forwards old
+    are dropped, and a gradient reaching one later raises."""
+    from ddpc import _rows
+    route = _rows.Route(torch.nn.Embedding(5, 2), 0, "emb")
+    queue = []
+    old = _rows.Call(route, torch.tensor([1, 2]), 1, 0, queue)
+    recent = _rows.Call(route, torch.tensor([3]), _rows.RING, 0, queue)
+    queue += [old, recent]
+    recent.grad = torch.ones(1, 2)
+    queue[:] = _rows.prune(queue, _rows.RING + 1)
+    assert queue == [recent] and recent.grad is None and recent.queued
+    assert old.dropped and not old.queued
+    w = torch.zeros(5, 2)
+    out = _rows._Rows.apply(torch.zeros((), requires_grad=True), torch.tensor([1, 2]), w, None,
+                            old)
+    try:
+        out.sum().backward()
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    assert raised is not None and "made 16 or more synced forwards ago" in raised, raised

@@ -119,9 +119,12 @@ class Call:
 def prune(calls: List[Call], step: int) -> List[Call]:
     """The calls to keep queued when synced forward `step` begins: those of the last RING - 1
     synced forwards (forwards with autograd on whose outputs never reach a backward would
-    otherwise pile up). A dropped call's lookup raises if a gradient reaches it later."""
+    otherwise pile up). A dropped call's lookup raises if a gradient reaches it later. A queued
+    call that holds a gradient here got it from a backward that never reached its end (it
+    raised): that gradient is forgotten, as the reducer forgets that step's."""
     keep = []
     for c in calls:
+        c.grad = None
         if c.step > step - RING:
             keep.append(c)
         else:
