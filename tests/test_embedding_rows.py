@@ -1,14 +1,18 @@
-"""Embedding rows (python/ddpc/_rows.py) when the ranks' lookups are out of step: on 2 real
-processes (cpu backend, where routing is on by default, a 3 s timeout), rank 0 looks the table
-up twice per forward and rank 1 once. Rank 0 must raise a MismatchError that names the embedding,
-the lookup and rank 1, within the timeout, and abort the group, so that rank 1's next collective
-fails with the same explanation instead of waiting out its own timeout. The right results of
-routing (tied and untied tables, padding, uneven counts, no_sync, bf16) are checked by
-tests/test_gpu_wrap_model.py's scenario, which tests/test_wrap_model.py runs on the cpu backend.
+"""Embedding rows (python/ddpc/_rows.py) on 2 real processes (cpu backend, where routing is on
+by default; a 3 s timeout):
+- a module whose embedding is routed, saved whole (torch.save), loads and trains alone;
+- ranks whose lookups are out of step: rank 0 looks the table up twice per forward, rank 1
+  once. Rank 0 must raise a MismatchError that names the embedding, the lookup and rank 1,
+  within the timeout, and abort the group, so that rank 1's next collective fails with the same
+  explanation instead of waiting out its own timeout.
+The right results of routing (tied and untied tables, padding, uneven counts, no_sync, bf16,
+several forwards and backwards) are checked by tests/test_gpu_wrap_model.py's scenario, which
+tests/test_wrap_model.py runs on the cpu backend.
 """
 import os
 import time
 
+import pytest
 import torch
 from _procs import spawn_scenarios
 
@@ -43,6 +47,26 @@ def sc_out_of_step(rank):
     return out
 
 
+def sc_saved_whole(rank):
+    """torch.save of a module whose embedding is routed (the whole module, hooks included), and
+    a forward and backward of the loaded copy, outside any wrapper."""
+    import io
+
+    import ddpc
+    torch.manual_seed(0)
+    model = Twice(1)
+    wrapped = ddpc.wrap_model(model)
+    buf = io.BytesIO()
+    torch.save(wrapped.module, buf)
+    buf.seek(0)
+    copy = torch.load(buf, weights_only=False)
+    tokens = torch.randint(0, 13, (2, 5))
+    out = copy(tokens)
+    out.square().mean().backward()
+    return {"routes": len(wrapped._routes), "same": torch.equal(out, model(tokens)),
+            "grad": copy.emb.weight.grad is not None and bool(copy.emb.weight.grad.abs().sum())}
+
+
 def _worker(rank, port, results):
     os.environ["DDPC_TOKEN"] = "test-embedding-rows"
     os.environ.pop("DDPC_EMBEDDING_ROWS", None)
@@ -51,11 +75,24 @@ def _worker(rank, port, results):
     from _procs import report_scenarios
     ddpc.init_process_group(backend="cpu", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=TIMEOUT)
-    report_scenarios([("out_of_step", sc_out_of_step)], rank, results)
+    # (out_of_step last: it aborts the group)
+    report_scenarios([("saved_whole", sc_saved_whole), ("out_of_step", sc_out_of_step)], rank,
+                     results)
 
 
-def test_ranks_out_of_step_raise_and_name_the_lookup():
-    runs = spawn_scenarios(_worker, 2, 60)
+@pytest.fixture(scope="module")
+def runs():
+    return spawn_scenarios(_worker, 2, 60)
+
+
+def test_a_routed_module_saved_whole_loads_and_trains_alone(runs):
+    for rank in (0, 1):
+        status, value = runs[rank]["saved_whole"]
+        assert status == "ok", value
+        assert value == {"routes": 1, "same": True, "grad": True}, value
+
+
+def test_ranks_out_of_step_raise_and_name_the_lookup(runs):
     outs = []
     for rank in (0, 1):
         status, value = runs[rank]["out_of_step"]

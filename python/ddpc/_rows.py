@@ -41,7 +41,7 @@ import torch
 from ddpc import _C
 from ddpc import distributed as dist
 
-__all__ = ["mode", "eligible", "Route", "Call", "lookup", "exchange"]
+__all__ = ["mode", "eligible", "Route", "RouteHook", "Call", "lookup", "exchange"]
 
 _CODE = {getattr(torch, name): code for name, code in dist._DTYPE_CODES.items()}
 # Wrappers are made in the same order on every rank: their number names their store keys.
@@ -90,6 +90,33 @@ class Route:
 # Store keys per call number in a ring of this many synced forwards: a lookup's count must be
 # read (at an end of backward) before its rank has run this many more synced forwards.
 RING = 16
+
+
+class RouteHook:
+    """The forward hook on a routed nn.Embedding: asks the wrapper (held weakly) for the routed
+    lookup. A module saved whole (torch.save, pickle) with it keeps an _InertHook instead, which
+    leaves the module's output alone: the copy trains as a plain module (wrap it again for
+    data parallelism)."""
+
+    __slots__ = ("model", "r")
+
+    def __init__(self, model: Any, r: int) -> None:
+        self.model = model  # weakref.ref to the DistributedModel
+        self.r = r
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        model = self.model()
+        return None if model is None else model._routed_lookup(self.r, args)
+
+    def __reduce__(self) -> Any:
+        return (_InertHook, ())
+
+
+class _InertHook:
+    """What a RouteHook becomes in a saved copy of its module: nothing."""
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        return None
 
 
 class Call:

@@ -371,25 +371,22 @@ class DistributedModel(torch.nn.Module):
                 continue
             self._routes.append(_rows.Route(m, index[id(m.weight)], name or "(the module)"))
             handles.append(m.register_forward_hook(
-                self._make_route_hook(weakref.ref(self), len(self._routes) - 1)))
+                _rows.RouteHook(weakref.ref(self), len(self._routes) - 1)))
         if self._routes:
             self._rows_store = dist.get_store()
             self._rows_prefix = _rows.new_prefix()
         return handles
 
-    @staticmethod
-    def _make_route_hook(ref: Any, r: int) -> Any:
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
-            model = ref()
-            if model is None or not model._routing:
-                return None
-            route = model._routes[r]
-            if not route.on or len(args) != 1 or not isinstance(args[0], torch.Tensor):
-                return None
-            return _rows.lookup(route, args[0], model._anchor, model._rows_store,
-                                model._rows_prefix, model._group.rank, model._rows_step,
-                                model._calls)
-        return hook
+    def _routed_lookup(self, r: int, args: Any) -> Any:
+        """The forward hook of routed embedding r (_rows.RouteHook): the routed lookup during a
+        synced forward of this wrapper, else None (the module's own output stands)."""
+        if not self._routing:
+            return None
+        route = self._routes[r]
+        if not route.on or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            return None
+        return _rows.lookup(route, args[0], self._anchor, self._rows_store, self._rows_prefix,
+                            self._group.rank, self._rows_step, self._calls)
 
     def _check_params(self) -> Optional[Exception]:
         """The first problem that keeps this rank's parameters out of the reducer, or None."""
