@@ -1,5 +1,5 @@
-"""Embedding rows (python/ddpc/_rows.py) on 2 real processes (cpu backend, where routing is on
-by default; a 3 s timeout):
+"""Embedding rows (python/ddpc/_rows.py) on 2 real processes (cpu backend, DDPC_EMBEDDING_ROWS=1;
+a 3 s timeout):
 - a module whose embedding is routed, saved whole (torch.save), loads and trains alone;
 - ranks whose lookups are out of step: rank 0 looks the table up twice per forward, rank 1
   once. Rank 0 must raise a MismatchError that names the embedding, the lookup and rank 1,
@@ -69,7 +69,7 @@ def sc_saved_whole(rank):
 
 def _worker(rank, port, results):
     os.environ["DDPC_TOKEN"] = "test-embedding-rows"
-    os.environ.pop("DDPC_EMBEDDING_ROWS", None)
+    os.environ["DDPC_EMBEDDING_ROWS"] = "1"  # (auto routes only nccl through host memory)
     torch.set_num_threads(1)
     import ddpc
     from _procs import report_scenarios
@@ -99,7 +99,7 @@ def test_ranks_out_of_step_raise_and_name_the_lookup(runs):
         assert status == "ok", value
         outs.append(value)
     r0, r1 = outs
-    assert r0["routes"] == 1 and r1["routes"] == 1  # routed by default on the cpu backend
+    assert r0["routes"] == 1 and r1["routes"] == 1
     name, msg = r0["error"]
     assert name == "MismatchError", r0
     assert "rank 0 waited" in msg and "rank 1's count of indices" in msg, msg

@@ -50,15 +50,12 @@ _WRAPPERS = itertools.count()
 
 def mode() -> str:
     """DDPC_EMBEDDING_ROWS: "1" routes embedding lookups, "0" does not, "auto" (the default)
-    routes them unless the GPUs reach each other directly. Measured on 2 H200s (GPT-2, session
-    13 in benchmarks/README.md), routing gained nothing over NVLink, where the dense all-reduce
-    at the end takes 0.3-0.5 ms and routing's own host work about as much, and gained 1-3 points
-    of scaling through host memory (NCCL_P2P_DISABLE=1), where that all-reduce takes 2-5 ms."""
+    routes them where ddpc.parallel._rows_by_default(group) says."""
     v = (os.environ.get("DDPC_EMBEDDING_ROWS") or "auto").strip()
     if v not in ("0", "1", "auto"):
         raise ValueError(f"DDPC_EMBEDDING_ROWS={v!r}: set it to 1 (exchange embedding lookups' "
-                         f"gradients as rows), 0 (reduce them densely) or auto (rows unless the "
-                         f"GPUs reach each other directly; the default)")
+                         f"gradients as rows), 0 (reduce them densely) or auto (rows where the "
+                         f"GPUs do not reach each other directly; the default)")
     return v
 
 

@@ -361,8 +361,8 @@ class DistributedModel(torch.nn.Module):
         # (the counts go through the store of the default group; another group's ranks reduce
         # their embeddings densely)
         mode = _rows.mode()
-        if mode == "0" or (mode == "auto" and _direct(self._group)) or self._world == 1 \
-                or self._group is not dist._default_group():
+        if mode == "0" or (mode == "auto" and not _rows_by_default(self._group)) \
+                or self._world == 1 or self._group is not dist._default_group():
             return []
         index = {id(p): i for i, p in enumerate(self._params)}
         handles = []
@@ -1022,6 +1022,16 @@ def _direct(group: Any) -> bool:
     """Do the group's GPUs reach each other directly (NCCL with P2P: NVLink or PCIe)?"""
     return (group.backend == "nccl" and group.world_size > 1 and group.fast_max_bytes > 0
             and group.staged_min_bytes == 0)
+
+
+def _rows_by_default(group: Any) -> bool:
+    """Where DDPC_EMBEDDING_ROWS=auto routes embedding lookups (ddpc/_rows.py): GPUs that do not
+    reach each other directly (NCCL through host memory). Measured (session 13 in
+    benchmarks/README.md): there, +1-3 points of scaling for GPT-2 on 2 H200s, where the dense
+    all-reduce at the end takes 2-5 ms. Over NVLink nothing (it takes 0.3-0.5 ms, and routing's
+    own host work about as much); on the cpu backend (a 2-core VM) +0.01 with float32 gradients
+    and -0.06 with bf16."""
+    return group.backend == "nccl" and group.world_size > 1 and not _direct(group)
 
 
 def default_bucket_cap_mb(group: Any, grad_dtype: Optional[torch.dtype] = None) -> float:
