@@ -54,8 +54,8 @@ def mode() -> str:
     v = (os.environ.get("DDPC_EMBEDDING_ROWS") or "auto").strip()
     if v not in ("0", "1", "auto"):
         raise ValueError(f"DDPC_EMBEDDING_ROWS={v!r}: set it to 1 (exchange embedding lookups' "
-                         f"gradients as rows), 0 (reduce them densely) or auto (rows where the "
-                         f"GPUs do not reach each other directly; the default)")
+                         f"gradients as rows), 0 (reduce them densely) or auto (rows for NCCL "
+                         f"through host memory only; the default)")
     return v
 
 
@@ -206,8 +206,8 @@ def lookup(route: Route, idx: torch.Tensor, anchor: torch.Tensor, store: Any, pr
 
 def _counts(call: Call, store: Any, prefix: str, group: Any) -> List[int]:
     """Every rank's count of indices for this call, from the store: each value is
-    "step:count", and one left from two steps before means its rank has not reached this
-    step's forward yet (it gets until the group's timeout). Ranks found out of step abort the
+    "step:count", and one left from RING synced forwards before means its rank has not reached
+    this forward yet (it gets until the group's timeout). Ranks found out of step abort the
     group, so that the others' next collectives fail with the same message."""
     counts = []
     deadline = time.monotonic() + group.timeout
