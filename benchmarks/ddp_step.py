@@ -330,9 +330,10 @@ def trace_summary(trace) -> dict:
     marks = dict(trace.marks)
     t0 = marks["backward"]
     return {"marks": {k: v - t0 for k, v in marks.items() if k != "start"},
-            # (an all-gather is an embedding's rows, or the count of its lookups: ddpc/_rows.py)
-            "buckets": [(r.nbytes, ("gather/" if "gather" in r.op else "") + r.path, r.ready - t0, r.start - t0, r.wire - t0,
-                         r.reduced - t0, r.done - t0) for r in trace.rows
+            # (an all-gather is an embedding's rows: ddpc/_rows.py)
+            "buckets": [(r.nbytes, ("gather/" if "gather" in r.op else "") + r.path,
+                         r.ready - t0, r.start - t0, r.wire - t0, r.reduced - t0, r.done - t0)
+                        for r in trace.rows
                         if r.ready >= marks["step"]]}
 
 
@@ -434,7 +435,7 @@ def _worker(rank, args, ports, results):
     if args.embedding_rows:
         # What exchanging the embedding lookups' gradients as rows does (ddpc/_rows.py), forced
         # on and forced off (DDPC_EMBEDDING_ROWS, read by wrap_model; by default it is on only
-        # where the GPUs do not reach each other directly).
+        # for NCCL through host memory).
         variants += pair("ddpc rows on", "ddpc bf16 rows on", env={"DDPC_EMBEDDING_ROWS": "1"})
         variants += pair("ddpc rows off", "ddpc bf16 rows off",
                          env={"DDPC_EMBEDDING_ROWS": "0"})

@@ -447,8 +447,8 @@ ddpc_status ddpc_device_reduce_into(void *dst, const void *const *srcs, int nsrc
 /* The embedding rows' end of backward (python/ddpc/_rows.py): for every run of equal ids in
  * sorted_ids[0..n) (ascending), grad[id, :] += scale * (the sum over the run, in order, of
  * rows[perm[k], :], or rows[k, :] when perm is NULL); grad is num_rows x width, rows is
- * (max perm + 1) x width. Ids < 0, == skip or
- * >= num_rows are left out. One launch; the result depends only on the inputs (no atomics). */
+ * (max perm + 1) x width. Ids < 0, == skip or >= num_rows are left out. One launch; the result
+ * depends only on the inputs (no atomics). */
 ddpc_status ddpc_device_rows_accumulate(void *grad, ddpc_dtype grad_dt, size_t num_rows,
                                         size_t width, const int64_t *sorted_ids,
                                         const int64_t *perm, size_t n, const void *rows,

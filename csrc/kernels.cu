@@ -1,5 +1,6 @@
-/* kernels.cu: CUDA kernels of the core: zeroing, and a cast with a scale between the float dtypes
- * (the reducer's bfloat16/float16 wire format, and the divide of an average). Each `_kernel` has a
+/* kernels.cu: CUDA kernels of the core: zeroing, a cast with a scale between the float dtypes
+ * (the reducer's bfloat16/float16 wire format, and the divide of an average), and the embedding
+ * rows' accumulation. Each `_kernel` has a
  * plain launcher that owns the geometry and checks the launch with cudaGetLastError. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -129,10 +130,10 @@ ddpc_status cast_from(void *dst, const void *src, ddpc_dtype src_dt, size_t n, f
 }
 
 /* Embedding rows (python/ddpc/_rows.py): block j looks at position j of the sorted ids; when it
- * starts a run of equal ids, it sums that run's rows (in sorted order, each row read through perm)
- * (row k itself when perm is NULL) and adds the sum times scale to grad's row of that id. The order of every addition is fixed by
- * the sorted ids alone, so every rank computes the same bits from the same inputs. Ids < 0
- * (padding), == skip (the embedding's padding_idx) or >= num_rows are left out. */
+ * starts a run of equal ids, it sums that run's rows in sorted order (row perm[k], or row k when
+ * perm is NULL) and adds the sum times scale to grad's row of that id. The order of every
+ * addition is fixed by the sorted ids alone, so every rank computes the same bits from the same
+ * inputs. Ids < 0 (padding), == skip (the embedding's padding_idx) or >= num_rows are left out. */
 template <typename G, typename R>
 __global__ void rows_accumulate_kernel(G *grad, size_t num_rows, size_t width,
                                        const int64_t *__restrict__ ids,

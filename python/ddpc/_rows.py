@@ -284,7 +284,7 @@ def exchange(calls: List[Call], params: List[torch.nn.Parameter], group: Any, st
 def _layout(cap: int, width: int, wdt: torch.dtype) -> Any:
     """One rank's part of the all-gather: cap int64 indices, then cap rows of wdt (8-aligned)."""
     idx_bytes = cap * 8
-    row_bytes = cap * width * torch.empty((), dtype=wdt).element_size()
+    row_bytes = cap * width * wdt.itemsize
     return idx_bytes, row_bytes, idx_bytes + (row_bytes + 7) // 8 * 8
 
 
