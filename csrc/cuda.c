@@ -122,4 +122,20 @@ ddpc_status ddpc_device_rows_accumulate(void *grad, ddpc_dtype grad_dt, size_t n
                       "a device: " DDPC_NO_CUDA_HINT, n, ddpc_dtype_name(grad_dt));
 }
 
+ddpc_status ddpc_device_rows_pack(void *ids_out, void *rows_out, ddpc_dtype wire_dt, size_t cap,
+                                  size_t width, const int64_t *sorted_ids, const int64_t *perm,
+                                  size_t n, const void *src, ddpc_dtype src_dt, uintptr_t stream) {
+    (void)ids_out;
+    (void)rows_out;
+    (void)cap;
+    (void)width;
+    (void)sorted_ids;
+    (void)perm;
+    (void)src;
+    (void)src_dt;
+    (void)stream;
+    return ddpc_error(DDPC_ERR_UNAVAILABLE, "cannot pack %zu embedding rows as %s on a device: "
+                      DDPC_NO_CUDA_HINT, n, ddpc_dtype_name(wire_dt));
+}
+
 #endif

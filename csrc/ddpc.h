@@ -130,6 +130,10 @@ ddpc_status ddpc_store_connect(const char *host, int port, const char *token, in
                                int64_t timeout_ms, DdpcStore **out);
 void ddpc_store_close(DdpcStore *c);
 ddpc_status ddpc_store_set(DdpcStore *c, const char *key, const void *val, size_t len);
+/* A set that does not wait for its reply: the request is sent (one send, no round trip) and the
+ * reply is read by the next call on this connection, which fails if the store refused it. For
+ * values of at most 4 KiB; at most 32 replies are left unread (the 33rd waits for them). */
+ddpc_status ddpc_store_set_posted(DdpcStore *c, const char *key, const void *val, size_t len);
 /* Waits until the key exists (or timeout_ms passes), then returns a malloc'd copy (free()). */
 ddpc_status ddpc_store_get(DdpcStore *c, const char *key, int64_t timeout_ms, void **val,
                            size_t *len);
@@ -454,6 +458,44 @@ ddpc_status ddpc_device_rows_accumulate(void *grad, ddpc_dtype grad_dt, size_t n
                                         const int64_t *perm, size_t n, const void *rows,
                                         ddpc_dtype rows_dt, int64_t skip, double scale,
                                         uintptr_t stream);
+/* One rank's part of the embedding rows' all-gather: for j < cap, ids_out[j] = sorted_ids[j]
+ * (-1 for j >= n) and rows_out[j, :] = src[perm[j], :] (src[j, :] when perm is NULL; zeros when
+ * src is NULL) in wire_dt; rows j >= n are left as they are. n <= cap; one launch. */
+ddpc_status ddpc_device_rows_pack(void *ids_out, void *rows_out, ddpc_dtype wire_dt, size_t cap,
+                                  size_t width, const int64_t *sorted_ids, const int64_t *perm,
+                                  size_t n, const void *src, ddpc_dtype src_dt, uintptr_t stream);
+
+/* ---------------------------------------------------------------- embedding rows (rows.c) */
+
+/* The end of backward of one routed embedding lookup (python/ddpc/_rows.py), on the nccl
+ * backend: every rank's sorted indices and lookup-gradient rows, all-gathered and added, divided
+ * by the world size, into the table's averaged gradient. */
+typedef struct DdpcRowsExchange {
+    void *grad;                 /* the table's gradient: num_rows x width, contiguous */
+    ddpc_dtype grad_dtype;
+    size_t num_rows, width;
+    const int64_t *sorted_ids;  /* this rank's n indices, ascending */
+    const int64_t *perm;        /* the positions that sort them (NULL: already in order) */
+    size_t n;
+    const void *src;            /* the lookup output's gradient, n x width (NULL: none reached
+                                 * the lookup on this rank, which then adds nothing) */
+    ddpc_dtype src_dtype;
+    ddpc_dtype wire_dtype;      /* the rows' dtype in the all-gather */
+    size_t cap;                 /* the largest n of any rank: every rank's part has cap slots */
+    void *buf;                  /* world * ddpc_rows_stride(...) bytes of device memory */
+    size_t buf_bytes;
+    int64_t skip;               /* the embedding's padding_idx (-1: none): never added */
+    int device;
+    uintptr_t stream;           /* the caller's stream: the exchange is queued on it */
+} DdpcRowsExchange;
+
+/* Bytes of one rank's part: cap int64 indices, then cap rows of wire_dt, rounded up to 8. */
+size_t ddpc_rows_stride(size_t cap, size_t width, ddpc_dtype wire_dt);
+/* Queues on x->stream: this rank's part packed into its place in buf, one in-place all-gather,
+ * then one accumulation per rank in rank order (every rank adds the same values the same way).
+ * The host does not wait. *out is the all-gather's work whenever it was posted (also when a later
+ * step failed): buf must stay allocated until it is done. */
+ddpc_status ddpc_rows_exchange(DdpcGroup *g, const DdpcRowsExchange *x, DdpcWork **out);
 
 #ifdef __cplusplus
 }

@@ -1,7 +1,7 @@
 /* kernels.cu: CUDA kernels of the core: zeroing, a cast with a scale between the float dtypes
  * (the reducer's bfloat16/float16 wire format, and the divide of an average), and the embedding
- * rows' accumulation. Each `_kernel` has a
- * plain launcher that owns the geometry and checks the launch with cudaGetLastError. */
+ * rows' packing and accumulation. Each `_kernel` has a plain launcher that owns the geometry and
+ * checks the launch with cudaGetLastError. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -191,6 +191,65 @@ ddpc_status rows_accumulate_from(void *grad, size_t num_rows, size_t width, cons
     default:
         return rows_accumulate_launch<G, __nv_bfloat16>(grad, num_rows, width, ids, perm, n, rows,
                                                         skip, scale, st);
+    }
+}
+
+/* One block per slot j < cap of a rank's part of the rows' all-gather: ids_out[j] is the j-th
+ * sorted index (-1 past n) and rows_out[j, :] the lookup output's gradient row perm[j] in the
+ * wire dtype (zeros without a source; rows past n are left alone: ids -1 are never read). */
+template <typename W, typename S>
+__global__ void rows_pack_kernel(int64_t *ids_out, W *rows_out, size_t width,
+                                 const int64_t *__restrict__ sorted_ids,
+                                 const int64_t *__restrict__ perm, size_t n,
+                                 const S *__restrict__ src) {
+    size_t j = blockIdx.x;
+    if (threadIdx.x == 0) ids_out[j] = j < n ? sorted_ids[j] : -1;
+    if (j >= n) return;
+    W *out = rows_out + j * width;
+    if (!src) {
+        for (size_t c = threadIdx.x; c < width; c += blockDim.x) out[c] = Convert<W>::from(0.0f);
+        return;
+    }
+    const S *in = src + (perm ? (size_t)perm[j] : j) * width;
+    for (size_t c = threadIdx.x; c < width; c += blockDim.x)
+        out[c] = Convert<W>::from(static_cast<acc_t<W, S>>(to_acc(in[c])));
+}
+
+template <typename W, typename S>
+ddpc_status rows_pack_launch(void *ids_out, void *rows_out, size_t cap, size_t width,
+                             const int64_t *sorted_ids, const int64_t *perm, size_t n,
+                             const void *src, cudaStream_t stream) {
+    unsigned threads = width >= 256 ? 256 : 32 * (unsigned)ceil_div(width, 32);
+    rows_pack_kernel<W, S><<<(unsigned)cap, threads, 0, stream>>>(
+        static_cast<int64_t *>(ids_out), static_cast<W *>(rows_out), width, sorted_ids, perm, n,
+        static_cast<const S *>(src));
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return ddpc_error(DDPC_ERR_CUDA,
+                          "launching the embedding rows' packing (%zu of %zu slots, width %zu) "
+                          "failed: %s (%s); the stream must belong to the current device (%s:%d)",
+                          n, cap, width, cudaGetErrorName(e), cudaGetErrorString(e), __FILE__,
+                          __LINE__);
+    return DDPC_OK;
+}
+
+template <typename W>
+ddpc_status rows_pack_from(void *ids_out, void *rows_out, size_t cap, size_t width,
+                           const int64_t *sorted_ids, const int64_t *perm, size_t n,
+                           const void *src, ddpc_dtype src_dt, cudaStream_t st) {
+    switch (src_dt) {
+    case DDPC_FLOAT32:
+        return rows_pack_launch<W, float>(ids_out, rows_out, cap, width, sorted_ids, perm, n, src,
+                                          st);
+    case DDPC_FLOAT64:
+        return rows_pack_launch<W, double>(ids_out, rows_out, cap, width, sorted_ids, perm, n,
+                                           src, st);
+    case DDPC_FLOAT16:
+        return rows_pack_launch<W, __half>(ids_out, rows_out, cap, width, sorted_ids, perm, n,
+                                           src, st);
+    default:
+        return rows_pack_launch<W, __nv_bfloat16>(ids_out, rows_out, cap, width, sorted_ids, perm,
+                                                  n, src, st);
     }
 }
 
@@ -456,5 +515,40 @@ ddpc_status ddpc_device_rows_accumulate(void *grad, ddpc_dtype grad_dt, size_t n
     default:
         return rows_accumulate_from<__nv_bfloat16>(grad, num_rows, width, sorted_ids, perm, n,
                                                    rows, rows_dt, skip, scale, st);
+    }
+}
+
+ddpc_status ddpc_device_rows_pack(void *ids_out, void *rows_out, ddpc_dtype wire_dt, size_t cap,
+                                  size_t width, const int64_t *sorted_ids, const int64_t *perm,
+                                  size_t n, const void *src, ddpc_dtype src_dt,
+                                  uintptr_t stream) {
+    if (!is_float_dtype(wire_dt) || !is_float_dtype(src_dt))
+        return ddpc_error(DDPC_ERR_INVALID,
+                          "device rows packing, %s rows into %s slots: only float32, float64, "
+                          "float16 and bfloat16 are supported",
+                          ddpc_dtype_name(src_dt), ddpc_dtype_name(wire_dt));
+    if (n > cap)
+        return ddpc_error(DDPC_ERR_INVALID, "device rows packing: %zu rows do not fit %zu slots",
+                          n, cap);
+    if (cap == 0 || width == 0) return DDPC_OK;
+    if (!ids_out || !rows_out || (n && !sorted_ids))
+        return ddpc_error(DDPC_ERR_INVALID, "device rows packing of %zu rows: a NULL pointer", n);
+    if (cap > 0x7fffffffu)
+        return ddpc_error(DDPC_ERR_INVALID, "device rows packing: %zu slots, more than one launch "
+                          "takes (2^31 - 1)", cap);
+    cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+    switch (wire_dt) {
+    case DDPC_FLOAT32:
+        return rows_pack_from<float>(ids_out, rows_out, cap, width, sorted_ids, perm, n, src,
+                                     src_dt, st);
+    case DDPC_FLOAT64:
+        return rows_pack_from<double>(ids_out, rows_out, cap, width, sorted_ids, perm, n, src,
+                                      src_dt, st);
+    case DDPC_FLOAT16:
+        return rows_pack_from<__half>(ids_out, rows_out, cap, width, sorted_ids, perm, n, src,
+                                      src_dt, st);
+    default:
+        return rows_pack_from<__nv_bfloat16>(ids_out, rows_out, cap, width, sorted_ids, perm, n,
+                                             src, src_dt, st);
     }
 }

@@ -221,6 +221,18 @@ static PyObject *Store_set(StoreObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Store_set_posted(StoreObject *self, PyObject *args) {
+    const char *key;
+    Py_buffer val;
+    if (!PyArg_ParseTuple(args, "sy*", &key, &val)) return NULL;
+    if (!store_ready(self)) { PyBuffer_Release(&val); return NULL; }
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_store_set_posted(self->c, key, val.buf, (size_t)val.len));
+    PyBuffer_Release(&val);
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Store_get(StoreObject *self, PyObject *args) {
     const char *key;
     double timeout = 600.0;
@@ -345,6 +357,9 @@ static PyObject *Store_num_keys(StoreObject *self, PyObject *unused) {
 
 static PyMethodDef Store_methods[] = {
     {"set", (PyCFunction)Store_set, METH_VARARGS, "set(key, value: bytes)"},
+    {"set_posted", (PyCFunction)Store_set_posted, METH_VARARGS,
+     "set_posted(key, value: bytes): a set without waiting for its reply (at most 4 KiB); a "
+     "refusal is raised by the next call on this store"},
     {"get", (PyCFunction)Store_get, METH_VARARGS,
      "get(key, timeout=600.0) -> bytes: waits until the key exists"},
     {"add", (PyCFunction)Store_add, METH_VARARGS, "add(key, delta) -> int: the new value"},
@@ -538,6 +553,61 @@ static PyObject *Group_post(GroupObject *self, PyObject *args) {
     return (PyObject *)wo;
 }
 
+static int dtype_arg(int code, const char *what);
+
+/* Holds w until it is done, with keep (the memory it uses) alive as long: parked with the group,
+ * or, when that fails (out of memory), waited for here. */
+static void hold_until_done(GroupObject *self, DdpcWork *w, PyObject *keep) {
+    if (ddpc_work_is_completed(w)) {
+        ddpc_work_release(w);
+        return;
+    }
+    Py_INCREF(keep);
+    if (park(self, w, keep) == 0) return;
+    Py_DECREF(keep);
+    Py_BEGIN_ALLOW_THREADS
+    ddpc_work_wait(w);
+    Py_END_ALLOW_THREADS
+    ddpc_work_release(w);
+}
+
+/* rows_exchange(grad, grad_dtype, num_rows, width, sorted_ids, perm, n, src, src_dtype,
+ *               wire_dtype, cap, buf, buf_bytes, skip, device, stream, keep): the embedding rows'
+ * end of backward (ddpc_rows_exchange), queued on `stream`; keep (the tensors behind buf and the
+ * rest) stays alive until the all-gather is done. */
+static PyObject *Group_rows_exchange(GroupObject *self, PyObject *args) {
+    unsigned long long grad, num_rows, width, ids, perm, n, src, cap, buf, buf_bytes, stream;
+    int grad_dt, src_dt, wire_dt, device;
+    long long skip;
+    PyObject *keep;
+    if (!PyArg_ParseTuple(args, "KiKKKKKKiiKKKLiKO", &grad, &grad_dt, &num_rows, &width, &ids,
+                          &perm, &n, &src, &src_dt, &wire_dt, &cap, &buf, &buf_bytes, &skip,
+                          &device, &stream, &keep))
+        return NULL;
+    if (!group_ready(self)) return NULL;
+    if (!dtype_arg(grad_dt, "rows_exchange: grad") || !dtype_arg(src_dt, "rows_exchange: src") ||
+        !dtype_arg(wire_dt, "rows_exchange: wire"))
+        return NULL;
+    ModState *s = state_of_type(Py_TYPE(self));
+    if (self->nparked) reap_parked(self, 0);
+    DdpcRowsExchange x = {
+        .grad = (void *)(uintptr_t)grad, .grad_dtype = (ddpc_dtype)grad_dt,
+        .num_rows = (size_t)num_rows, .width = (size_t)width,
+        .sorted_ids = (const int64_t *)(uintptr_t)ids, .perm = (const int64_t *)(uintptr_t)perm,
+        .n = (size_t)n, .src = (const void *)(uintptr_t)src, .src_dtype = (ddpc_dtype)src_dt,
+        .wire_dtype = (ddpc_dtype)wire_dt, .cap = (size_t)cap, .buf = (void *)(uintptr_t)buf,
+        .buf_bytes = (size_t)buf_bytes, .skip = (int64_t)skip, .device = device,
+        .stream = (uintptr_t)stream,
+    };
+    DdpcWork *w = NULL;
+    ddpc_status st;
+    /* (launches and a post: the GIL goes for the post's locks) */
+    DDPC_NOGIL(st, ddpc_rows_exchange(self->g, &x, &w));
+    if (w) hold_until_done(self, w, keep);
+    if (st != DDPC_OK) return raise_status(s, st);
+    Py_RETURN_NONE;
+}
+
 /* all_reduce_now(ptr, count, dtype, redop, device, stream) -> bool: a synchronous all-reduce
  * queued on the caller's stream without a Work, when the backend has such a path for it (nccl:
  * small messages between the GPUs of one host); False means nothing was done: post it. */
@@ -699,6 +769,10 @@ static PyMethodDef Group_methods[] = {
     {"all_reduce_now", (PyCFunction)(void (*)(void))Group_all_reduce_now, METH_FASTCALL,
      "all_reduce_now(ptr, count, dtype, redop, device, stream) -> bool: a synchronous all-reduce "
      "on the caller's stream without a Work when the backend has a path for it; False: post it"},
+    {"rows_exchange", (PyCFunction)Group_rows_exchange, METH_VARARGS,
+     "rows_exchange(grad, grad_dtype, num_rows, width, sorted_ids, perm, n, src, src_dtype, "
+     "wire_dtype, cap, buf, buf_bytes, skip, device, stream, keep): the embedding rows' end of "
+     "backward (nccl), queued on stream"},
     {"trace_start", (PyCFunction)Group_trace_start, METH_VARARGS,
      "trace_start(capacity): record CUDA events at each collective's points from now on (nccl)"},
     {"trace_mark", (PyCFunction)Group_trace_mark, METH_VARARGS,
@@ -2003,6 +2077,32 @@ static PyObject *mod_device_rows_accumulate(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The embedding rows' packing kernel (ddpc_device_rows_pack), on raw pointers, for its test. */
+static PyObject *mod_device_rows_pack(PyObject *m, PyObject *args) {
+    unsigned long long ids_out, rows_out, cap, width, ids, perm, n, src, stream;
+    int wire_dt, src_dt;
+    if (!PyArg_ParseTuple(args, "KKiKKKKKKiK", &ids_out, &rows_out, &wire_dt, &cap, &width, &ids,
+                          &perm, &n, &src, &src_dt, &stream))
+        return NULL;
+    if (!dtype_arg(wire_dt, "device_rows_pack: wire") || !dtype_arg(src_dt, "device_rows_pack: src"))
+        return NULL;
+    ddpc_status st = ddpc_device_rows_pack(
+        (void *)(uintptr_t)ids_out, (void *)(uintptr_t)rows_out, (ddpc_dtype)wire_dt, (size_t)cap,
+        (size_t)width, (const int64_t *)(uintptr_t)ids, (const int64_t *)(uintptr_t)perm,
+        (size_t)n, (const void *)(uintptr_t)src, (ddpc_dtype)src_dt, (uintptr_t)stream);
+    if (st != DDPC_OK) return raise_status(state_of_module(m), st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_rows_stride(PyObject *m, PyObject *args) {
+    (void)m;
+    unsigned long long cap, width;
+    int dt;
+    if (!PyArg_ParseTuple(args, "KKi", &cap, &width, &dt)) return NULL;
+    if (!dtype_arg(dt, "rows_stride")) return NULL;
+    return PyLong_FromSize_t(ddpc_rows_stride((size_t)cap, (size_t)width, (ddpc_dtype)dt));
+}
+
 static PyObject *mod_dtype_size(PyObject *m, PyObject *args) {
     (void)m;
     int dt;
@@ -2097,6 +2197,11 @@ static PyMethodDef module_methods[] = {
     {"device_rows_accumulate", mod_device_rows_accumulate, METH_VARARGS,
      "device_rows_accumulate(grad, grad_dtype, num_rows, width, sorted_ids, perm, n, rows, "
      "rows_dtype, skip, scale, stream): grad[id] += scale * rows of each run of equal ids"},
+    {"device_rows_pack", mod_device_rows_pack, METH_VARARGS,
+     "device_rows_pack(ids_out, rows_out, wire_dtype, cap, width, sorted_ids, perm, n, src, "
+     "src_dtype, stream): one rank's part of the rows' all-gather"},
+    {"rows_stride", mod_rows_stride, METH_VARARGS,
+     "rows_stride(cap, width, wire_dtype) -> bytes of one rank's part of the rows' all-gather"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -976,7 +976,14 @@ struct DdpcStore {
     int broken;               /* lost, or out of step after a failed exchange */
     ddpc_status broken_st;
     char broken_msg[1024];
+    int unacked;              /* sets posted without waiting whose replies are still unread */
 };
+
+/* Posted sets (ddpc_store_set_posted): at most this many replies left unread, each for a value of
+ * at most POSTED_MAX_VALUE bytes, so the server's input never holds more than one frame's worth
+ * and our socket buffers hold the replies. */
+#define MAX_UNACKED 32
+#define POSTED_MAX_VALUE 4096u
 
 enum { IO_OK, IO_CLOSED, IO_TIMEOUT, IO_INTERRUPTED, IO_FAILED };
 
@@ -1033,13 +1040,85 @@ static ddpc_status lost_connection(DdpcStore *c, const char *op) {
                       "for its error)", op, c->host, c->port);
 }
 
+/* What a failed exchange (io, an IO_ code other than IO_OK, with errno err) means for the
+ * connection, as the error of operation op that waited up to waited_s for its reply. */
+static ddpc_status io_failure(DdpcStore *c, int io, int err, const char *op, double waited_s) {
+    switch (io) {
+    case IO_CLOSED:
+        return client_break(c, lost_connection(c, op));
+    case IO_TIMEOUT:
+        return client_break(c, ddpc_error(DDPC_ERR_TIMEOUT, "store %s: no reply from the "
+                                          "rendezvous store at %s:%d within %.1f s: rank 0, which "
+                                          "serves it, may be hung or overloaded", op, c->host,
+                                          c->port, waited_s));
+    case IO_INTERRUPTED:
+        /* The reply may still come, so the connection is out of step: later calls say so, and
+         * this one reports the interrupt itself. */
+        c->broken = 1;
+        c->broken_st = DDPC_ERR_PEER;
+        snprintf(c->broken_msg, sizeof c->broken_msg, "store: the connection to %s:%d was "
+                 "abandoned in the middle of a %s (interrupted); connect a new Store", c->host,
+                 c->port, op);
+        return DDPC_ERR_INTERRUPTED;
+    default:
+        return client_break(c, ddpc_error(DDPC_ERR_SYSTEM, "store %s: socket I/O with %s:%d "
+                                          "failed: %s", op, c->host, c->port, strerror(err)));
+    }
+}
+
+/* Reads one reply frame into resp (its length checked). Returns an IO_ code; a bad length or no
+ * memory breaks the connection and sets *st. */
+static int recv_reply(DdpcStore *c, Buf *resp, int64_t deadline, int64_t interrupt_after,
+                      int *err, const char *op, ddpc_status *st) {
+    uint8_t hdr[4];
+    resp->len = 0;
+    int io = io_exact(c->fd, 0, hdr, 4, deadline, interrupt_after, err);
+    if (io != IO_OK) return io;
+    uint32_t len = get_u32le(hdr);
+    if (len == 0 || len > MAX_FRAME) {
+        *st = client_break(c, ddpc_error(DDPC_ERR_PROTOCOL, "store %s: the store at %s:%d sent a "
+                                         "reply of %u bytes (allowed 1 to %u): is it a ddpc "
+                                         "store of the same version?", op, c->host, c->port, len,
+                                         (unsigned)MAX_FRAME));
+        return IO_FAILED;
+    }
+    if (buf_reserve(resp, len)) {
+        *st = client_break(c, ddpc_error(DDPC_ERR_NOMEM, "store %s: out of memory for a reply of "
+                                         "%u bytes", op, len));
+        return IO_FAILED;
+    }
+    io = io_exact(c->fd, 0, resp->p, len, deadline, interrupt_after, err);
+    if (io == IO_OK) resp->len = len;
+    return io;
+}
+
+/* Reads the replies of the sets posted without waiting (their requests went out before the one
+ * being answered now, and the server answers in order). A refused one fails the call that reads
+ * it: the caller learns of it at its next store call. */
+static int recv_acks(DdpcStore *c, int64_t deadline, int64_t interrupt_after, int *err,
+                     ddpc_status *st) {
+    Buf ack = {0};
+    int io = IO_OK;
+    while (c->unacked > 0) {
+        io = recv_reply(c, &ack, deadline, interrupt_after, err, "set (posted)", st);
+        if (io != IO_OK) break;
+        c->unacked--;
+        if (ack.p[0] != REPLY_OK && *st == DDPC_OK)
+            *st = ddpc_error(DDPC_ERR_INVALID, "store set (posted earlier, not waited for): the "
+                             "store at %s:%d refused it (reply status %d: %.*s)", c->host, c->port,
+                             ack.p[0], (int)DDPC_MIN(ack.len - 1, (size_t)400),
+                             (const char *)ack.p + 1);
+    }
+    buf_free(&ack);
+    return io;
+}
+
 /* One request/response. req holds the frame with 4 bytes reserved for its length; the reply
  * (status byte first) lands in resp. wait_ms is how long the server may hold the request. */
 static ddpc_status store_rpc(DdpcStore *c, Buf *req, int64_t wait_ms, Buf *resp) {
     const char *op = cmd_name(req->p[4]);
     ddpc_status st = DDPC_OK;
     int err = 0, io;
-    uint8_t hdr[4];
     put_u32le(req->p, (uint32_t)(req->len - 4));
     resp->len = 0;
     DDPC_PTHREADCHECK(pthread_mutex_lock(&c->mu), "pthread_mutex_lock(store)");
@@ -1051,49 +1130,19 @@ static ddpc_status store_rpc(DdpcStore *c, Buf *req, int64_t wait_ms, Buf *resp)
     int64_t deadline = c->io_timeout_ms < 0 ? INT64_MAX : now + wait_ms + c->io_timeout_ms;
     int64_t interrupt_after = now + wait_ms + 1000;
     io = io_exact(c->fd, 1, req->p, req->len, deadline, interrupt_after, &err);
-    if (io == IO_OK) io = io_exact(c->fd, 0, hdr, 4, deadline, interrupt_after, &err);
-    uint32_t len = io == IO_OK ? get_u32le(hdr) : 0;
-    if (io == IO_OK && (len == 0 || len > MAX_FRAME)) {
-        st = client_break(c, ddpc_error(DDPC_ERR_PROTOCOL, "store %s: the store at %s:%d sent a "
-                                        "reply of %u bytes (allowed 1 to %u): is it a ddpc "
-                                        "store of the same version?", op, c->host, c->port, len,
-                                        (unsigned)MAX_FRAME));
-        goto out;
+    if (io == IO_OK) io = recv_acks(c, deadline, interrupt_after, &err, &st);
+    if (io == IO_OK) {
+        ddpc_status ack_st = st;
+        st = DDPC_OK;
+        io = recv_reply(c, resp, deadline, interrupt_after, &err, op, &st);
+        if (io == IO_OK && ack_st != DDPC_OK) {
+            /* (this request was answered; the error is an earlier posted set's) */
+            st = ack_st;
+            goto out;
+        }
     }
-    if (io == IO_OK && buf_reserve(resp, len)) {
-        st = client_break(c, ddpc_error(DDPC_ERR_NOMEM, "store %s: out of memory for a reply of "
-                                        "%u bytes", op, len));
-        goto out;
-    }
-    if (io == IO_OK) io = io_exact(c->fd, 0, resp->p, len, deadline, interrupt_after, &err);
-    switch (io) {
-    case IO_OK:
-        resp->len = len;
-        break;
-    case IO_CLOSED:
-        st = client_break(c, lost_connection(c, op));
-        break;
-    case IO_TIMEOUT:
-        st = client_break(c, ddpc_error(DDPC_ERR_TIMEOUT, "store %s: no reply from the "
-                                        "rendezvous store at %s:%d within %.1f s: rank 0, which "
-                                        "serves it, may be hung or overloaded", op, c->host,
-                                        c->port, (double)(wait_ms + c->io_timeout_ms) / 1e3));
-        break;
-    case IO_INTERRUPTED:
-        /* The reply may still come, so the connection is out of step: later calls say so, and
-         * this one reports the interrupt itself. */
-        c->broken = 1;
-        c->broken_st = DDPC_ERR_PEER;
-        snprintf(c->broken_msg, sizeof c->broken_msg, "store: the connection to %s:%d was "
-                 "abandoned in the middle of a %s (interrupted); connect a new Store", c->host,
-                 c->port, op);
-        st = DDPC_ERR_INTERRUPTED;
-        break;
-    default:
-        st = client_break(c, ddpc_error(DDPC_ERR_SYSTEM, "store %s: socket I/O with %s:%d "
-                                        "failed: %s", op, c->host, c->port, strerror(err)));
-        break;
-    }
+    if (st != DDPC_OK) goto out; /* recv_reply broke the connection and said why */
+    if (io != IO_OK) st = io_failure(c, io, err, op, (double)(wait_ms + c->io_timeout_ms) / 1e3);
 out:
     pthread_mutex_unlock(&c->mu);
     return st;
@@ -1378,6 +1427,45 @@ ddpc_status ddpc_store_set(DdpcStore *c, const char *key, const void *val, size_
 out:
     buf_free(&req);
     buf_free(&resp);
+    return st;
+}
+
+ddpc_status ddpc_store_set_posted(DdpcStore *c, const char *key, const void *val, size_t len) {
+    if (!c) return ddpc_error(DDPC_ERR_INVALID, "store set_posted: the store is NULL");
+    DDPC_CHECK(check_key("set_posted", key));
+    DDPC_CHECK(check_value("set_posted", key, val, len));
+    if (len > POSTED_MAX_VALUE)
+        return ddpc_error(DDPC_ERR_INVALID, "store set_posted: the value for key '%s' has %zu "
+                          "bytes; a set that is not waited for takes at most %u (use set)", key,
+                          len, POSTED_MAX_VALUE);
+    Buf req = {0};
+    ddpc_status st = DDPC_OK;
+    DDPC_CHECK_GOTO(req_begin(&req, CMD_SET), st, done);
+    DDPC_CHECK_GOTO(req_done(&req, buf_field(&req, key, strlen(key)) || buf_field(&req, val, len)),
+                    st, done);
+    put_u32le(req.p, (uint32_t)(req.len - 4));
+    int rc = pthread_mutex_lock(&c->mu);
+    if (rc) {
+        st = ddpc_error(DDPC_ERR_SYSTEM, "pthread_mutex_lock(store) failed: %s", strerror(rc));
+        goto done;
+    }
+    if (c->broken) {
+        st = ddpc_error(c->broken_st, "%s", c->broken_msg);
+        goto out;
+    }
+    int err = 0, io;
+    int64_t now = ddpc_now_ms();
+    int64_t deadline = c->io_timeout_ms < 0 ? INT64_MAX : now + c->io_timeout_ms;
+    io = IO_OK;
+    if (c->unacked >= MAX_UNACKED) io = recv_acks(c, deadline, now + 1000, &err, &st);
+    if (st != DDPC_OK) goto out; /* an earlier posted set was refused, or a reply was bad */
+    if (io == IO_OK) io = io_exact(c->fd, 1, req.p, req.len, deadline, now + 1000, &err);
+    if (io == IO_OK) c->unacked++;
+    else st = io_failure(c, io, err, "set_posted", (double)c->io_timeout_ms / 1e3);
+out:
+    pthread_mutex_unlock(&c->mu);
+done:
+    buf_free(&req);
     return st;
 }
 

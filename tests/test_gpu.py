@@ -622,6 +622,79 @@ def test_fast_all_reduce_size_mismatch_raises():
         assert out["after"] < 10, out
 
 
+def _lookup(torch: Any, r: int, num_rows: int, width: int) -> Any:
+    """Rank r's routed lookup for _w_rows_exchange: its ids (with repeats, ids past the table,
+    the padding row 3) and its output's gradient rows; rank r looks up 900 + 100 * r tokens."""
+    g = torch.Generator().manual_seed(100 + r)
+    n = 900 + 100 * r
+    ids = torch.randint(0, num_rows + 2, (n,), generator=g)
+    ids[: n // 3] = torch.randint(0, 6, (n // 3,), generator=g)
+    return ids, torch.randn(n, width, generator=g, dtype=torch.float64)
+
+
+def _w_rows_exchange(rank: int, world: int, ddpc: Any, torch: Any,
+                     results: Any) -> Dict[str, Any]:
+    """The embedding rows' end of backward in one C call (group.rows_exchange, csrc/rows.c)
+    against index_put_ of every rank's rows in float64, for float32 and bf16 wires and a rank
+    whose lookup got no gradient; the same bits on every rank; bad sizes raise, naming them."""
+    failures: List[str] = []
+    from ddpc import _C
+    group = ddpc.distributed._default_group()
+    dev = torch.device("cuda", rank)
+    num_rows, width, pad = 500, 96, 3
+    lookups = [_lookup(torch, r, num_rows, width) for r in range(world)]
+    cap = max(ids.numel() for ids, _ in lookups)
+    grad0 = torch.randn(num_rows, width, generator=torch.Generator().manual_seed(9),
+                        dtype=torch.float64)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    codes = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 3}
+    for wire, no_grad_rank in ((torch.float32, -1), (torch.bfloat16, -1), (torch.float32, 0)):
+        ids, rows = lookups[rank]
+        sid, perm = torch.sort(ids.to(dev), stable=True)
+        src = None if rank == no_grad_rank else rows.to(dev, torch.float32)
+        grad = grad0.to(dev, torch.float32)
+        buf = torch.empty(world * _C.rows_stride(cap, width, codes[wire]), dtype=torch.uint8,
+                          device=dev)
+        group.rows_exchange(grad.data_ptr(), 0, num_rows, width, sid.data_ptr(), perm.data_ptr(),
+                            ids.numel(), 0 if src is None else src.data_ptr(), 0, codes[wire],
+                            cap, buf.data_ptr(), buf.numel(), pad, rank, stream,
+                            (buf, src, sid, perm))
+        # the exact sum, and a bound on float32 accumulation: one rounding per addition of the
+        # longest run, per rank's addition and of the result, each at most 2^-24 of the
+        # magnitudes involved (the rows rounded to the wire dtype as the reference takes them)
+        ref, mag, run = grad0.clone(), grad0.abs(), 0
+        for r, (i, w) in enumerate(lookups):
+            keep = (i < num_rows) & (i != pad)
+            run = max(run, int(torch.bincount(i[keep]).max()))
+            if r != no_grad_rank:
+                part = w[keep].to(wire).double() / world
+                ref.index_put_((i[keep],), part, accumulate=True)
+                mag.index_put_((i[keep],), part.abs(), accumulate=True)
+        out = grad.double().cpu()
+        over = ((out - ref).abs() - mag * (run + world + 2) * 2.0 ** -24).max().item()
+        if over > 0:
+            failures.append(f"wire {wire}, no gradient on rank {no_grad_rank}: off the exact sum "
+                            f"by {over:.3g} more than float32 accumulation allows")
+        every = [torch.empty_like(grad) for _ in range(world)]
+        ddpc.all_gather(every, grad)
+        if not all(torch.equal(e, every[0]) for e in every):
+            failures.append(f"wire {wire}: the ranks' results differ in their bits")
+    ids, rows = lookups[rank]
+    for what, kw, match in (("a buffer one byte short", {"short": 1}, "need"),
+                            ("more rows than slots", {"cap": ids.numel() - 1}, "slots")):
+        c = kw.get("cap", cap)
+        nbytes = world * _C.rows_stride(c, width, 0) - kw.get("short", 0)
+        buf = torch.empty(nbytes + 8, dtype=torch.uint8, device=dev)
+        try:
+            group.rows_exchange(grad0.data_ptr(), 0, num_rows, width, 1, 0, ids.numel(), 0, 0, 0,
+                                c, buf.data_ptr(), nbytes, -1, rank, stream, buf)
+            failures.append(f"{what}: no error")
+        except ValueError as e:
+            if match not in str(e):
+                failures.append(f"{what}: {e}")
+    return {"failures": failures}
+
+
 # One rank on one GPU runs the same code paths (NCCL communicator, communication stream, events,
 # watchdog) as two; it is what a machine with a single GPU can check.
 WORLDS = [pytest.param(1, marks=needs_1_torch, id="1gpu"), pytest.param(2, marks=needs_2, id="2gpu")]
@@ -635,6 +708,11 @@ def test_every_collective_and_dtype(world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_stream_ordering_and_async(world):
     _assert_no_failures(_run_ranks(_w_streams, world=world))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_rows_exchange_against_index_put(world):
+    _assert_no_failures(_run_ranks(_w_rows_exchange, world=world))
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -803,6 +881,47 @@ def test_embedding_rows_kernel(grad_dtype, rows_dtype):
     assert ((out - ref).abs() <= bound).all(), (out - ref).abs().max()
     with pytest.raises(ValueError, match="NULL pointer"):
         _C.device_rows_accumulate(0, 0, num_rows, width, 0, 0, n, 0, 0, -1, 1.0, 0)
+
+
+@needs_1_torch
+@pytest.mark.parametrize("wire_dtype,src_dtype", [
+    ("float32", "float32"), ("bfloat16", "float32"), ("float16", "float32"),
+    ("float64", "float64"), ("bfloat16", "bfloat16")])
+def test_embedding_rows_pack_kernel(wire_dtype, src_dtype):
+    """One rank's part of the rows' all-gather (ddpc_device_rows_pack) against torch: sorted ids
+    then -1 past n; rows gathered through the permutation (or in order without one) and cast
+    once; zeros without a source; slots past n left alone. Bad arguments raise."""
+    import torch
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(5)
+    n, cap, width = 1000, 1200, 77
+    codes = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
+    wdt, sdt = getattr(torch, wire_dtype), getattr(torch, src_dtype)
+    ids = torch.randint(0, 50, (n,), generator=g)
+    sorted_ids, perm = torch.sort(ids, stable=True)
+    src = torch.randn(n, width, generator=g, dtype=torch.float64).to(sdt)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    sid, pm, sr = sorted_ids.to(dev), perm.to(dev), src.to(dev)
+    for case in ("perm", "no_perm", "no_src"):
+        ids_out = torch.full((cap,), 12345, dtype=torch.int64, device=dev)
+        rows_out = torch.full((cap, width), 7.0, dtype=wdt, device=dev)
+        _C.device_rows_pack(ids_out.data_ptr(), rows_out.data_ptr(), codes[wire_dtype], cap,
+                            width, sid.data_ptr(), pm.data_ptr() if case == "perm" else 0, n,
+                            0 if case == "no_src" else sr.data_ptr(), codes[src_dtype], stream)
+        torch.cuda.synchronize(dev)
+        got_ids, got_rows = ids_out.cpu(), rows_out.cpu()
+        assert torch.equal(got_ids[:n], sorted_ids), case
+        assert (got_ids[n:] == -1).all(), case
+        want = (torch.zeros(n, width, dtype=wdt) if case == "no_src" else
+                (src[perm] if case == "perm" else src).to(wdt))
+        assert torch.equal(got_rows[:n], want), case
+        assert (got_rows[n:] == 7.0).all(), case  # (never read: left alone)
+    with pytest.raises(ValueError, match="do not fit"):
+        _C.device_rows_pack(1, 1, 0, 10, width, 1, 0, 11, 1, 0, stream)
+    with pytest.raises(ValueError, match="NULL pointer"):
+        _C.device_rows_pack(0, 0, 0, cap, width, 0, 0, n, 0, 0, stream)
+    with pytest.raises(ValueError, match="only float32"):
+        _C.device_rows_pack(1, 1, 5, cap, width, 1, 0, n, 1, 0, stream)
 
 
 # NCCL_P2P_DISABLE=1 turns the staged path on by default, where a call on a buffer no queued

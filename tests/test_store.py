@@ -312,6 +312,67 @@ def test_malformed_input_never_wedges_the_server(server: int) -> None:
         c.set("big", bytes((64 << 20) + 1))
 
 
+# ---------------------------------------------------------------- sets posted without waiting
+
+def test_posted_set_refused_is_raised_by_the_next_call() -> None:
+    """set_posted returns without a reply; when the store refused it, the next call on the
+    connection raises that refusal (its own request was answered), and the connection goes on.
+    A hand-made store that refuses the first set (the real one refuses only when out of memory)."""
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(1)
+    port = lsock.getsockname()[1]
+    seen: List[bytes] = []
+
+    def serve() -> None:
+        conn, _ = lsock.accept()
+        with conn:
+            conn.sendall(b"DDPC" + struct.pack("<I", 1) + os.urandom(32))
+            recv_exact(conn, 44)
+            conn.sendall(b"\x01")
+            for status, payload in ((2, b"no room for it"), (0, b""), (0, b"")):
+                (n,) = struct.unpack("<I", recv_exact(conn, 4))
+                seen.append(recv_exact(conn, n))
+                conn.sendall(struct.pack("<IB", 1 + len(payload), status) + payload)
+            recv_exact(conn, 5)  # goodbye
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        c = client(port)
+        t0 = time.monotonic()
+        c.set_posted("first", b"1")
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(ValueError) as ei:
+            c.set("second", b"2")
+        assert "posted earlier" in str(ei.value) and "no room for it" in str(ei.value), ei.value
+        c.set("third", b"3")  # the refusal left the connection in step
+        c.close()
+        t.join(10)
+        assert [m[0] for m in seen] == [CMD_SET] * 3
+        assert b"first" in seen[0] and b"second" in seen[1] and b"third" in seen[2]
+    finally:
+        lsock.close()
+
+
+def test_posted_sets_reach_other_clients(server: int) -> None:
+    """Posted sets from one process (more than the 32 replies left unread at once) are there for
+    another process, in order: the last of each key wins."""
+    c = client(server)
+    for i in range(80):
+        c.set_posted(f"p/{i % 10}", str(i).encode())
+    other = spawn("""
+s = _C.Store("127.0.0.1", port, token, -1, 10.0)
+print(" ".join(s.get(f"p/{k}", 10.0).decode() for k in range(10)))
+s.close()
+""", server)
+    assert finish(other).split() == [str(70 + k) for k in range(10)]
+    with pytest.raises(ValueError, match="at most 4096"):
+        c.set_posted("p/big", bytes(5000))
+    assert c.get("p/9", 1.0) == b"79"
+    c.close()
+
+
 # ---------------------------------------------------------------- connecting, timeouts
 
 LATE_CLIENT = """

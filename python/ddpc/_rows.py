@@ -15,14 +15,15 @@ backward (after every bucket) gathers each rank's indices and rows and adds them
 world size, into the averaged gradient: the same sum, with 1/6 of the traffic for GPT-2.
 
 How much each rank sends must be known on every rank before that all-gather. The counts go
-through the rendezvous store: each forward sets this rank's count, and the end of backward reads
-the others' (set long before). A collective in the forward would do it too, but its kernel
+through the rendezvous store: each forward posts this rank's count (a set that does not wait for
+the store's reply), and the end of backward reads the others' (set long before). A collective in the forward would do it too, but its kernel
 would spin on the GPU of the rank that is ahead, beside the forward's matrix products, until the
 other arrives: 11 of 132 SMs on an H200, which made those products 45% slower (profiled).
 
 On GPUs each rank sorts its indices in the forward and sends its rows in that order; one kernel
 per rank (csrc/kernels.cu, ddpc_device_rows_accumulate), in rank order, adds each run of equal
-indices: every rank computes the same bits. On the cpu backend, index_put_ adds them.
+indices: every rank computes the same bits. One C call queues the packing, the all-gather and
+those kernels (csrc/rows.c). On the cpu backend, index_put_ adds them.
 
 Every rank must route the same lookups in the same order (the same model and control flow, as
 every collective requires). After the first synced step, a route whose weight got no gradient
@@ -196,7 +197,8 @@ def lookup(route: Route, idx: torch.Tensor, anchor: torch.Tensor, store: Any, pr
     m = route.module
     number = sum(1 for c in calls if c.step == step)
     call = Call(route, idx, step, number, calls)
-    store.set(_key(prefix, call.number, step, rank), f"{step}:{call.n}".encode())
+    # (posted: the forward does not wait for the store's reply, which the next store call reads)
+    store.set_posted(_key(prefix, call.number, step, rank), f"{step}:{call.n}".encode())
     if idx.is_cuda and call.n:
         # stable: equal indices keep their positions' order, the same on every run
         call.sorted_ids, call.perm = torch.sort(idx.reshape(-1), stable=True)
@@ -291,30 +293,22 @@ def _layout(cap: int, width: int, wdt: torch.dtype) -> Any:
 def _exchange_sorted(call: Call, p: torch.Tensor, grad: Optional[torch.Tensor], group: Any,
                      wdt: torch.dtype, cap: int, stream: int) -> None:
     """GPUs: each rank sends its indices sorted (padded with -1) and its rows in that order; one
-    kernel per rank, in rank order, adds each run of equal indices."""
+    kernel per rank, in rank order, adds each run of equal indices. One C call queues it all
+    (packing, the all-gather, the additions: csrc/rows.c); the host does not wait."""
     world, n, width = group.world_size, call.n, p.shape[1]
-    idx_bytes, row_bytes, stride = _layout(cap, width, wdt)
-    send = torch.empty(stride, dtype=torch.uint8, device=p.device)
-    ids = send[:idx_bytes].view(torch.int64)
-    rows = send[idx_bytes:idx_bytes + row_bytes].view(wdt).view(cap, width)
-    if n:
-        ids[:n].copy_(call.sorted_ids)
-        if grad is None:
-            rows[:n].zero_()  # this rank's backward did not reach the lookup: it adds nothing
-        elif wdt == grad.dtype:
-            torch.index_select(grad.reshape(n, width), 0, call.perm, out=rows[:n])
-        else:
-            rows[:n].copy_(grad.reshape(n, width)[call.perm])
-    if n < cap:
-        ids[n:].fill_(-1)  # (rows past n are never read)
-    recv = torch.empty(world * stride, dtype=torch.uint8, device=p.device)
-    dist.all_gather_into_tensor(recv, send, group=group)
+    buf = torch.empty(world * _C.rows_stride(cap, width, _CODE[wdt]), dtype=torch.uint8,
+                      device=p.device)
+    # (None: this rank's backward did not reach the lookup, and it adds nothing)
+    src = grad.reshape(n, width).contiguous() if grad is not None and n else None
+    ids, perm = (call.sorted_ids, call.perm) if n else (None, None)
     pad = call.route.module.padding_idx
-    base = recv.data_ptr()
-    for r in range(world):
-        _C.device_rows_accumulate(p.grad.data_ptr(), _CODE[p.dtype], p.shape[0], width,
-                                  base + r * stride, 0, cap, base + r * stride + idx_bytes,
-                                  _CODE[wdt], -1 if pad is None else pad, 1.0 / world, stream)
+    group.rows_exchange(p.grad.data_ptr(), _CODE[p.dtype], p.shape[0], width,
+                        0 if ids is None else ids.data_ptr(),
+                        0 if perm is None else perm.data_ptr(), n,
+                        0 if src is None else src.data_ptr(),
+                        _CODE[wdt if src is None else src.dtype], _CODE[wdt], cap,
+                        buf.data_ptr(), buf.numel(), -1 if pad is None else pad, p.device.index,
+                        stream, (buf, src, ids, perm))
 
 
 def _exchange_plain(call: Call, p: torch.Tensor, grad: Optional[torch.Tensor], group: Any,

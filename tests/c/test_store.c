@@ -212,6 +212,48 @@ static void test_commands(DdpcStore *c, DdpcStore *c2) {
     free(bv);
 }
 
+/* Sets posted without waiting: more than the replies left unread at once (32), in order, seen by
+ * the other client; the next ordinary call reads the replies; values over 4 KiB are refused
+ * before anything is sent; a connection with posted sets in flight closes cleanly. */
+static void test_posted_sets(int port, DdpcStore *c2) {
+    DdpcStore *c = NULL;
+    OK(ddpc_store_connect("127.0.0.1", port, TOKEN, 7, 5000, &c));
+    if (!c) return;
+    char key[32], val[32];
+    for (int i = 0; i < 100; i++) {
+        snprintf(key, sizeof key, "posted/%d", i % 40);
+        snprintf(val, sizeof val, "v%d", i);
+        OK(ddpc_store_set_posted(c, key, val, strlen(val)));
+    }
+    void *v = NULL;
+    size_t n = 0;
+    OK(ddpc_store_get(c, "posted/39", 0, &v, &n)); /* reads the unread replies first */
+    EXPECT(n == 3 && !memcmp(v, "v79", 3), "posted/39 holds '%.*s'", (int)n, (char *)v);
+    free(v);
+    for (int i = 60; i < 100; i++) { /* the last write of each key wins: sets kept their order */
+        snprintf(key, sizeof key, "posted/%d", i % 40);
+        snprintf(val, sizeof val, "v%d", i);
+        v = NULL;
+        OK(ddpc_store_get(c2, key, 1000, &v, &n));
+        EXPECT(v && n == strlen(val) && !memcmp(v, val, n), "%s holds '%.*s', want %s", key,
+               (int)n, v ? (char *)v : "", val);
+        free(v);
+    }
+    static char big[4097];
+    memset(big, 'x', sizeof big);
+    EXPECT(ddpc_store_set_posted(c, "posted/big", big, sizeof big) == DDPC_ERR_INVALID,
+           "a posted set of 4097 bytes: %s", ddpc_last_error());
+    EXPECT(strstr(ddpc_last_error(), "use set"), "%s", ddpc_last_error());
+    OK(ddpc_store_set_posted(c, "posted/big", big, 4096));
+    OK(ddpc_store_set_posted(c, "posted/last", "end", 3));
+    ddpc_store_close(c); /* replies unread: close still says goodbye */
+    v = NULL;
+    OK(ddpc_store_get(c2, "posted/last", 1000, &v, &n));
+    EXPECT(n == 3 && v && !memcmp(v, "end", 3), "posted/last holds %zu bytes", n);
+    free(v);
+    EXPECT(has_key(c2, "ddpc/dead/7") == 0, "a clean close after posted sets counted as a death");
+}
+
 static void test_waits(DdpcStore *c, DdpcStore *c2) {
     void *v = NULL;
     size_t n = 0;
@@ -352,6 +394,7 @@ int main(void) {
     OK(ddpc_store_connect("localhost", port, TOKEN, 1, 5000, &c2));
     if (!c || !c2) return 1;
     test_commands(c, c2);
+    test_posted_sets(port, c2);
     test_waits(c, c2);
     test_auth_and_ranks(port, c);
     ddpc_store_close(c2);
