@@ -3,12 +3,14 @@ shape (8x1024 tokens, a 50304x768 table): where the forward's extra host time wi
 goes. Each piece runs `--iters` times back to back; the GPU is synchronized only around each
 batch, so the times are the host's (launches, Python), as in a training step.
 
-    python benchmarks/rows_host.py [--device cuda] [--iters 200]
+    python benchmarks/rows_host.py [--device cuda] [--iters 200] [--model [--profile]]
 """
 import argparse
+import gc
 import os
 import socket
 import statistics
+import sys
 import time
 
 import torch
@@ -36,6 +38,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--model", action="store_true",
+                    help="also GPT-2's whole forward and backward with rows on and off")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--size", choices=["gpt2", "small"], default="gpt2",
+                    help="with --model: ddp_step.py's model of that name")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --model: torch.profiler's costliest host calls of the forward")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,7 +87,90 @@ def main():
     for name, fn in pieces:
         with torch.enable_grad():
             print(f"  {name:<48s} {timed(fn, args.iters, dev):8.1f}")
+    if args.model:
+        whole_model(args, dev)
     ddpc.destroy_process_group()
+
+
+class _NoStore:
+    """Takes the counts and drops them (one rank reads none back)."""
+
+    def set_posted(self, key, value):
+        pass
+
+
+def whole_model(args, dev):
+    """The GPT-2 of ddp_step.py wrapped with rows on and off: each step synchronized, then the
+    host's forward (model + loss, bf16 autocast) and backward, median ms; then torch.profiler's
+    costliest host calls in three forwards with rows off and on (a wait for the GPU would show
+    there)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import ddp_step
+    cfg = ddp_step.MODELS[args.size]
+    print(f"\n{args.size} forward and backward on the host, {args.steps} synchronized steps, median ms")
+    profiled = set()
+    # (the "without" variants take one piece out of the routed lookup, to attribute its cost:
+    # without the sort the exchanged gradient is wrong, so they are for timing only)
+    variants = ["off", "on", "on without the sort", "on without the store", "on, gc disabled"]
+    real_sort = torch.sort
+    for variant in variants * 2:
+        mode = "0" if variant == "off" else "1"
+        os.environ["DDPC_EMBEDDING_ROWS"] = mode
+        torch.manual_seed(0)
+        with dev:
+            model = ddp_step.GPT(cfg["layers"], cfg["width"], cfg["heads"], cfg["vocab"],
+                                 cfg["seq"])
+        wrapped = ddpc.wrap_model(model)
+        if variant == "on without the sort":
+            torch.sort = lambda t, stable=False: (t, torch.arange(t.numel(), device=t.device))
+        if variant == "on without the store":
+            wrapped._rows_store = _NoStore()
+        if variant == "on, gc disabled":
+            gc.disable()
+        x = torch.randint(0, cfg["vocab"], (8, cfg["seq"]), device=dev)
+        fwd, bwd = [], []
+
+        def forward(wrapped=wrapped, x=x):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                logits = wrapped(x)
+            return torch.nn.functional.cross_entropy(logits.float().view(-1, cfg["vocab"]),
+                                                     x.view(-1))
+
+        for k in range(args.steps + 3):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            loss = forward()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            for p in model.parameters():
+                p.grad = None
+            if k >= 3:
+                fwd.append((t1 - t0) * 1e3)
+                bwd.append((t2 - t1) * 1e3)
+        torch.sort = real_sort
+        gc.enable()
+        q = statistics.quantiles(fwd, n=10)
+        print(f"  rows {variant:<22s} forward {statistics.median(fwd):6.2f} (10%-90% "
+              f"{q[0]:5.2f}-{q[-1]:5.2f})  backward {statistics.median(bwd):6.2f}")
+        if args.profile and variant in ("on", "off") and variant not in profiled:
+            profiled.add(variant)
+            from torch.profiler import ProfilerActivity, profile
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda"
+                                             else [])
+            with profile(activities=acts) as prof:
+                for _ in range(3):
+                    loss = forward()
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize(dev)
+            print(f"rows {variant}: three forwards")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
+                                            max_name_column_width=48))
+        del wrapped, model
+    os.environ.pop("DDPC_EMBEDDING_ROWS", None)
 
 
 if __name__ == "__main__":
