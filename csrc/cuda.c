@@ -122,6 +122,17 @@ ddpc_status ddpc_device_rows_accumulate(void *grad, ddpc_dtype grad_dt, size_t n
                       "a device: " DDPC_NO_CUDA_HINT, n, ddpc_dtype_name(grad_dt));
 }
 
+ddpc_status ddpc_device_sort_ids(const int64_t *ids, size_t n, size_t num_rows, int64_t *sorted,
+                                 int64_t *perm, uintptr_t stream) {
+    (void)ids;
+    (void)num_rows;
+    (void)sorted;
+    (void)perm;
+    (void)stream;
+    return ddpc_error(DDPC_ERR_UNAVAILABLE, "cannot sort %zu embedding indices on a device: "
+                      DDPC_NO_CUDA_HINT, n);
+}
+
 ddpc_status ddpc_device_rows_pack(void *ids_out, void *rows_out, ddpc_dtype wire_dt, size_t cap,
                                   size_t width, const int64_t *sorted_ids, const int64_t *perm,
                                   size_t n, const void *src, ddpc_dtype src_dt, uintptr_t stream) {

@@ -458,6 +458,14 @@ ddpc_status ddpc_device_rows_accumulate(void *grad, ddpc_dtype grad_dt, size_t n
                                         const int64_t *perm, size_t n, const void *rows,
                                         ddpc_dtype rows_dt, int64_t skip, double scale,
                                         uintptr_t stream);
+/* A stable sort of one lookup's n indices (each in [0, num_rows): those outside sort
+ * anywhere), in one launch of one block: sorted[k] is the k-th smallest, perm[k] its position in
+ * ids (equal indices keep their order). For n <= DDPC_DEVICE_SORT_IDS_MAX; a larger lookup needs
+ * another sort (torch.sort). */
+#define DDPC_DEVICE_SORT_IDS_MAX 8192
+ddpc_status ddpc_device_sort_ids(const int64_t *ids, size_t n, size_t num_rows, int64_t *sorted,
+                                 int64_t *perm, uintptr_t stream);
+
 /* One rank's part of the embedding rows' all-gather: for j < cap, ids_out[j] = sorted_ids[j]
  * (-1 for j >= n) and rows_out[j, :] = src[perm[j], :] (src[j, :] when perm is NULL; zeros when
  * src is NULL) in wire_dt; rows j >= n are left as they are. n <= cap; one launch. */

@@ -2,6 +2,7 @@
  * (the reducer's bfloat16/float16 wire format, and the divide of an average), and the embedding
  * rows' packing and accumulation. Each `_kernel` has a plain launcher that owns the geometry and
  * checks the launch with cudaGetLastError. */
+#include <cub/block/block_radix_sort.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -250,6 +251,35 @@ ddpc_status rows_pack_from(void *ids_out, void *rows_out, size_t cap, size_t wid
     default:
         return rows_pack_launch<W, __nv_bfloat16>(ids_out, rows_out, cap, width, sorted_ids, perm,
                                                   n, src, st);
+    }
+}
+
+/* The embedding rows' sort of one lookup's indices: one block of kSortThreads threads, each
+ * holding kSortItems consecutive indices (CUB's blocked arrangement, whose radix sort keeps equal
+ * keys in input order: a stable sort). Up to DDPC_DEVICE_SORT_IDS_MAX indices, padded with the
+ * largest key, which sorts after every real one of the end_bit bits it compares. */
+constexpr int kSortThreads = 1024;
+constexpr int kSortItems = DDPC_DEVICE_SORT_IDS_MAX / kSortThreads;
+static_assert(kSortItems * kSortThreads == DDPC_DEVICE_SORT_IDS_MAX, "sort capacity");
+
+__global__ void __launch_bounds__(kSortThreads)
+sort_ids_kernel(const int64_t *__restrict__ ids, unsigned n, int end_bit,
+                int64_t *__restrict__ sorted, int64_t *__restrict__ perm) {
+    using Sort = cub::BlockRadixSort<uint32_t, kSortThreads, kSortItems, uint32_t, 4>;
+    __shared__ typename Sort::TempStorage temp;
+    uint32_t keys[kSortItems], pos[kSortItems];
+    for (int i = 0; i < kSortItems; i++) {
+        unsigned k = threadIdx.x * kSortItems + i;
+        keys[i] = k < n ? static_cast<uint32_t>(ids[k]) : 0xffffffffu;
+        pos[i] = k;
+    }
+    Sort(temp).Sort(keys, pos, 0, end_bit);
+    for (int i = 0; i < kSortItems; i++) {
+        unsigned k = threadIdx.x * kSortItems + i;
+        if (k < n) {
+            sorted[k] = keys[i];
+            perm[k] = pos[i];
+        }
     }
 }
 
@@ -551,4 +581,28 @@ ddpc_status ddpc_device_rows_pack(void *ids_out, void *rows_out, ddpc_dtype wire
         return rows_pack_from<__nv_bfloat16>(ids_out, rows_out, cap, width, sorted_ids, perm, n,
                                              src, src_dt, st);
     }
+}
+
+ddpc_status ddpc_device_sort_ids(const int64_t *ids, size_t n, size_t num_rows, int64_t *sorted,
+                                 int64_t *perm, uintptr_t stream) {
+    if (n > DDPC_DEVICE_SORT_IDS_MAX)
+        return ddpc_error(DDPC_ERR_INVALID, "device sort of %zu indices: one launch sorts at most "
+                          "%d", n, DDPC_DEVICE_SORT_IDS_MAX);
+    if (num_rows == 0 || num_rows > 0x80000000u)
+        return ddpc_error(DDPC_ERR_INVALID, "device sort of indices into %zu rows: 1 to 2^31 rows "
+                          "are supported", num_rows);
+    if (n == 0) return DDPC_OK;
+    if (!ids || !sorted || !perm)
+        return ddpc_error(DDPC_ERR_INVALID, "device sort of %zu indices: a NULL pointer", n);
+    int end_bit = 1;
+    while (end_bit < 32 && ((size_t)1 << end_bit) < num_rows) end_bit++;
+    sort_ids_kernel<<<1, kSortThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+        ids, (unsigned)n, end_bit, sorted, perm);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return ddpc_error(DDPC_ERR_CUDA,
+                          "launching the sort of %zu embedding indices failed: %s (%s); the stream "
+                          "must belong to the current device (%s:%d)",
+                          n, cudaGetErrorName(e), cudaGetErrorString(e), __FILE__, __LINE__);
+    return DDPC_OK;
 }

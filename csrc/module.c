@@ -2077,6 +2077,19 @@ static PyObject *mod_device_rows_accumulate(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The embedding rows' sort (ddpc_device_sort_ids), on raw pointers: the caller
+ * (python/ddpc/_rows.py) keeps the tensors alive and on this device. */
+static PyObject *mod_device_sort_ids(PyObject *m, PyObject *args) {
+    unsigned long long ids, n, num_rows, sorted, perm, stream;
+    if (!PyArg_ParseTuple(args, "KKKKKK", &ids, &n, &num_rows, &sorted, &perm, &stream))
+        return NULL;
+    ddpc_status st = ddpc_device_sort_ids((const int64_t *)(uintptr_t)ids, (size_t)n,
+                                          (size_t)num_rows, (int64_t *)(uintptr_t)sorted,
+                                          (int64_t *)(uintptr_t)perm, (uintptr_t)stream);
+    if (st != DDPC_OK) return raise_status(state_of_module(m), st);
+    Py_RETURN_NONE;
+}
+
 /* The embedding rows' packing kernel (ddpc_device_rows_pack), on raw pointers, for its test. */
 static PyObject *mod_device_rows_pack(PyObject *m, PyObject *args) {
     unsigned long long ids_out, rows_out, cap, width, ids, perm, n, src, stream;
@@ -2197,6 +2210,9 @@ static PyMethodDef module_methods[] = {
     {"device_rows_accumulate", mod_device_rows_accumulate, METH_VARARGS,
      "device_rows_accumulate(grad, grad_dtype, num_rows, width, sorted_ids, perm, n, rows, "
      "rows_dtype, skip, scale, stream): grad[id] += scale * rows of each run of equal ids"},
+    {"device_sort_ids", mod_device_sort_ids, METH_VARARGS,
+     "device_sort_ids(ids, n, num_rows, sorted, perm, stream): a stable sort of n int64 indices "
+     "(n <= DEVICE_SORT_IDS_MAX) in one launch"},
     {"device_rows_pack", mod_device_rows_pack, METH_VARARGS,
      "device_rows_pack(ids_out, rows_out, wire_dtype, cap, width, sorted_ids, perm, n, src, "
      "src_dtype, stream): one rank's part of the rows' all-gather"},
@@ -2264,6 +2280,7 @@ static int module_exec(PyObject *m) {
         !(g_str_requires_grad = PyUnicode_InternFromString("requires_grad")))
         return -1;
     /* END TYPE REGISTRATION */
+    if (PyModule_AddIntConstant(m, "DEVICE_SORT_IDS_MAX", DDPC_DEVICE_SORT_IDS_MAX) < 0) return -1;
     ddpc_set_interrupt_hook(interrupt_hook);
     return 0;
 }

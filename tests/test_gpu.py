@@ -884,6 +884,34 @@ def test_embedding_rows_kernel(grad_dtype, rows_dtype):
 
 
 @needs_1_torch
+def test_embedding_ids_sort_kernel():
+    """ddpc's one-launch sort of a lookup's indices (ddpc_device_sort_ids) against
+    torch.sort(stable=True), bit for bit, indices and permutation: few and many rows (how many
+    key bits it sorts), many repeats, sizes up to its capacity; past it, and without rows, it
+    raises."""
+    import torch
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(11)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    cap = _C.DEVICE_SORT_IDS_MAX
+    for num_rows in (1, 7, 50304, 2 ** 31):
+        for n in (1, 2, 100, 4097, cap):
+            ids = torch.randint(0, min(num_rows, 2 ** 31 - 1), (n,), generator=g)
+            ids[: n // 2] = torch.randint(0, min(num_rows, 5), (n // 2,), generator=g)
+            ids = ids.to(dev)
+            out = torch.full((2 * n,), -7, dtype=torch.int64, device=dev)
+            _C.device_sort_ids(ids.data_ptr(), n, num_rows, out.data_ptr(),
+                               out.data_ptr() + 8 * n, stream)
+            want_ids, want_perm = torch.sort(ids, stable=True)
+            assert torch.equal(out[:n], want_ids), (num_rows, n)
+            assert torch.equal(out[n:], want_perm), (num_rows, n)
+    with pytest.raises(ValueError, match="at most 8192"):
+        _C.device_sort_ids(1, cap + 1, 10, 1, 1, stream)
+    with pytest.raises(ValueError, match="rows"):
+        _C.device_sort_ids(1, 10, 0, 1, 1, stream)
+
+
+@needs_1_torch
 @pytest.mark.parametrize("wire_dtype,src_dtype", [
     ("float32", "float32"), ("bfloat16", "float32"), ("float16", "float32"),
     ("float64", "float64"), ("bfloat16", "bfloat16")])

@@ -634,11 +634,11 @@ def sc_embedding_rows(rank: int, dev: torch.device) -> Dict[str, Any]:
 def _embedding_rows_cases(rank: int, dev: torch.device) -> Dict[str, Any]:
     import ddpc
     cases = {"tied": {}, "untied": {"tied": False}, "padding": {"padding_idx": 3},
-             "twice": {"twice": True}, "no_sync": {}, "autocast": {}, "bf16": {}}
+             "twice": {"twice": True}, "int32": {}, "no_sync": {}, "autocast": {}, "bf16": {}}
     out: Dict[str, Any] = {}
     for case, kw in cases.items():
-        dtype = torch.float64 if case in ("tied", "untied", "padding", "twice", "no_sync") \
-            else torch.float32
+        dtype = torch.float64 if case in ("tied", "untied", "padding", "twice", "int32",
+                                          "no_sync") else torch.float32
         model = make(lambda kw=kw: RowsLM(**kw), rank, dtype, dev)
         wrapped = ddpc.wrap_model(model, grad_dtype=torch.bfloat16 if case == "bf16" else None)
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
@@ -647,6 +647,8 @@ def _embedding_rows_cases(rank: int, dev: torch.device) -> Dict[str, Any]:
         for step in range(4):
             def loss_of(m: Any, r: int, k: int = 0) -> torch.Tensor:
                 tok, tgt = rows_batch(10 * k + step, r, dev, pad)
+                if case == "int32":
+                    tok = tok.int()  # (nn.Embedding takes int32 indices too)
                 with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=case == "autocast"):
                     logits = m(tok)
                 return torch.nn.functional.cross_entropy(logits.float().reshape(-1, 29),

@@ -200,8 +200,18 @@ def lookup(route: Route, idx: torch.Tensor, anchor: torch.Tensor, store: Any, pr
     # (posted: the forward does not wait for the store's reply, which the next store call reads)
     store.set_posted(_key(prefix, call.number, step, rank), f"{step}:{call.n}".encode())
     if idx.is_cuda and call.n:
-        # stable: equal indices keep their positions' order, the same on every run
-        call.sorted_ids, call.perm = torch.sort(idx.reshape(-1), stable=True)
+        # stable: equal indices keep their positions' order, the same on every run. (int64: the
+        # exchange reads them so; one launch of ddpc's sort where it fits, else torch.sort's
+        # dozen launches)
+        flat = idx.reshape(-1).to(torch.int64).contiguous()
+        if call.n <= _C.DEVICE_SORT_IDS_MAX:
+            out = torch.empty(2 * call.n, dtype=torch.int64, device=idx.device)
+            call.sorted_ids, call.perm = out[:call.n], out[call.n:]
+            _C.device_sort_ids(flat.data_ptr(), call.n, m.weight.shape[0], out.data_ptr(),
+                               out.data_ptr() + 8 * call.n,
+                               dist._raw_stream(idx.device.index))
+        else:
+            call.sorted_ids, call.perm = torch.sort(flat, stable=True)
     calls.append(call)
     return _Rows.apply(anchor, idx, m.weight.detach(), m.padding_idx, call)
 
