@@ -209,28 +209,27 @@ static PyObject *Store_close(StoreObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Store_set(StoreObject *self, PyObject *args) {
+/* set(key, value) through `set`: ddpc_store_set, or ddpc_store_set_posted (no wait). */
+static PyObject *store_set_with(StoreObject *self, PyObject *args,
+                                ddpc_status (*set)(DdpcStore *, const char *, const void *,
+                                                   size_t)) {
     const char *key;
     Py_buffer val;
     if (!PyArg_ParseTuple(args, "sy*", &key, &val)) return NULL;
     if (!store_ready(self)) { PyBuffer_Release(&val); return NULL; }
     ddpc_status st;
-    DDPC_NOGIL(st, ddpc_store_set(self->c, key, val.buf, (size_t)val.len));
+    DDPC_NOGIL(st, set(self->c, key, val.buf, (size_t)val.len));
     PyBuffer_Release(&val);
     if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
     Py_RETURN_NONE;
 }
 
+static PyObject *Store_set(StoreObject *self, PyObject *args) {
+    return store_set_with(self, args, ddpc_store_set);
+}
+
 static PyObject *Store_set_posted(StoreObject *self, PyObject *args) {
-    const char *key;
-    Py_buffer val;
-    if (!PyArg_ParseTuple(args, "sy*", &key, &val)) return NULL;
-    if (!store_ready(self)) { PyBuffer_Release(&val); return NULL; }
-    ddpc_status st;
-    DDPC_NOGIL(st, ddpc_store_set_posted(self->c, key, val.buf, (size_t)val.len));
-    PyBuffer_Release(&val);
-    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
-    Py_RETURN_NONE;
+    return store_set_with(self, args, ddpc_store_set_posted);
 }
 
 static PyObject *Store_get(StoreObject *self, PyObject *args) {
