@@ -83,7 +83,8 @@ def main():
                                                                              b"1:8192")),
         ("the whole routed lookup (_rows.lookup)", lookup),
     ]
-    print(f"host us per call, median of 5 batches of {args.iters}, {dev}, torch {torch.__version__}")
+    print(f"host us per call, median of 5 batches of {args.iters}, {dev}, "
+          f"torch {torch.__version__}")
     for name, fn in pieces:
         with torch.enable_grad():
             print(f"  {name:<48s} {timed(fn, args.iters, dev):8.1f}")
@@ -119,7 +120,8 @@ def whole_model(args, dev):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import ddp_step
     cfg = ddp_step.MODELS[args.size]
-    print(f"\n{args.size} forward and backward on the host, {args.steps} synchronized steps, median ms")
+    print(f"\n{args.size} forward and backward on the host, {args.steps} synchronized steps, "
+          f"median ms")
     profiled = set()
     # (the "without" variants take one piece out of the routed lookup, to attribute its cost:
     # without the sort the exchanged gradient is wrong, so they are for timing only)

@@ -2096,7 +2096,8 @@ static PyObject *mod_device_rows_pack(PyObject *m, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KKiKKKKKKiK", &ids_out, &rows_out, &wire_dt, &cap, &width, &ids,
                           &perm, &n, &src, &src_dt, &stream))
         return NULL;
-    if (!dtype_arg(wire_dt, "device_rows_pack: wire") || !dtype_arg(src_dt, "device_rows_pack: src"))
+    if (!dtype_arg(wire_dt, "device_rows_pack: wire") ||
+        !dtype_arg(src_dt, "device_rows_pack: src"))
         return NULL;
     ddpc_status st = ddpc_device_rows_pack(
         (void *)(uintptr_t)ids_out, (void *)(uintptr_t)rows_out, (ddpc_dtype)wire_dt, (size_t)cap,

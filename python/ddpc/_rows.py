@@ -16,9 +16,10 @@ world size, into the averaged gradient: the same sum, with 1/6 of the traffic fo
 
 How much each rank sends must be known on every rank before that all-gather. The counts go
 through the rendezvous store: each forward posts this rank's count (a set that does not wait for
-the store's reply), and the end of backward reads the others' (set long before). A collective in the forward would do it too, but its kernel
-would spin on the GPU of the rank that is ahead, beside the forward's matrix products, until the
-other arrives: 11 of 132 SMs on an H200, which made those products 45% slower (profiled).
+the store's reply), and the end of backward reads the others' (set long before). A collective in
+the forward would do it too, but its kernel would spin on the GPU of the rank that is ahead,
+beside the forward's matrix products, until the other arrives: 11 of 132 SMs on an H200, which
+made those products 45% slower (profiled).
 
 On GPUs each rank sorts its indices in the forward and sends its rows in that order; one kernel
 per rank (csrc/kernels.cu, ddpc_device_rows_accumulate), in rank order, adds each run of equal
@@ -201,10 +202,10 @@ def lookup(route: Route, idx: torch.Tensor, anchor: torch.Tensor, store: Any, pr
     store.set_posted(_key(prefix, call.number, step, rank), f"{step}:{call.n}".encode())
     if idx.is_cuda and call.n:
         # stable: equal indices keep their positions' order, the same on every run. (int64: the
-        # exchange reads them so; one launch of ddpc's sort where it fits, else torch.sort's
-        # dozen launches)
+        # exchange reads them so; one launch of ddpc's sort where it fits and idx's device is the
+        # current one, which its launch uses; else torch.sort's dozen launches)
         flat = idx.reshape(-1).to(torch.int64).contiguous()
-        if call.n <= _C.DEVICE_SORT_IDS_MAX:
+        if call.n <= _C.DEVICE_SORT_IDS_MAX and torch.cuda.current_device() == idx.device.index:
             out = torch.empty(2 * call.n, dtype=torch.int64, device=idx.device)
             call.sorted_ids, call.perm = out[:call.n], out[call.n:]
             _C.device_sort_ids(flat.data_ptr(), call.n, m.weight.shape[0], out.data_ptr(),
