@@ -434,6 +434,23 @@ static int park(GroupObject *self, DdpcWork *w, PyObject *keep) {
     return 0;
 }
 
+/* Takes over w: releases it now if it is done; else keeps it, with keep (the memory it uses; a
+ * new reference is taken) alive until it is, parked with the group (go, when it still has one),
+ * or, failing that, waits for it here. */
+static void hold_until_done(GroupObject *go, DdpcWork *w, PyObject *keep) {
+    if (ddpc_work_is_completed(w)) {
+        ddpc_work_release(w);
+        return;
+    }
+    Py_XINCREF(keep);
+    if (go && go->g && park(go, w, keep) == 0) return;
+    Py_XDECREF(keep);
+    Py_BEGIN_ALLOW_THREADS
+    ddpc_work_wait(w);
+    Py_END_ALLOW_THREADS
+    ddpc_work_release(w);
+}
+
 typedef struct {
     PyObject_HEAD
     DdpcWork *w;
@@ -553,22 +570,6 @@ static PyObject *Group_post(GroupObject *self, PyObject *args) {
 }
 
 static int dtype_arg(int code, const char *what);
-
-/* Holds w until it is done, with keep (the memory it uses) alive as long: parked with the group,
- * or, when that fails (out of memory), waited for here. */
-static void hold_until_done(GroupObject *self, DdpcWork *w, PyObject *keep) {
-    if (ddpc_work_is_completed(w)) {
-        ddpc_work_release(w);
-        return;
-    }
-    Py_INCREF(keep);
-    if (park(self, w, keep) == 0) return;
-    Py_DECREF(keep);
-    Py_BEGIN_ALLOW_THREADS
-    ddpc_work_wait(w);
-    Py_END_ALLOW_THREADS
-    ddpc_work_release(w);
-}
 
 /* rows_exchange(grad, grad_dtype, num_rows, width, sorted_ids, perm, n, src, src_dtype,
  *               wire_dtype, cap, buf, buf_bytes, skip, device, stream, keep): the embedding rows'
@@ -801,21 +802,9 @@ static PyType_Spec Group_spec = {
 static void Work_dealloc(WorkObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
-    if (self->w) {
-        /* Dropping an unfinished collective must not free memory it still writes to: its arrays
-         * are parked with the group until it finishes (or, failing that, we wait). */
-        GroupObject *go = (GroupObject *)self->group;
-        if (ddpc_work_is_completed(self->w)) {
-            ddpc_work_release(self->w);
-        } else if (go && go->g && park(go, self->w, self->keep) == 0) {
-            self->keep = NULL;
-        } else {
-            Py_BEGIN_ALLOW_THREADS
-            ddpc_work_wait(self->w);
-            Py_END_ALLOW_THREADS
-            ddpc_work_release(self->w);
-        }
-    }
+    /* Dropping an unfinished collective must not free memory it still writes to: its arrays
+     * are parked with the group until it finishes (or, failing that, we wait). */
+    if (self->w) hold_until_done((GroupObject *)self->group, self->w, self->keep);
     Py_CLEAR(self->keep);
     Py_CLEAR(self->group);
     tp->tp_free(self);

@@ -295,10 +295,9 @@ def exchange(calls: List[Call], params: List[torch.nn.Parameter], group: Any, st
 
 
 def _layout(cap: int, width: int, wdt: torch.dtype) -> Any:
-    """One rank's part of the all-gather: cap int64 indices, then cap rows of wdt (8-aligned)."""
-    idx_bytes = cap * 8
-    row_bytes = cap * width * wdt.itemsize
-    return idx_bytes, row_bytes, idx_bytes + (row_bytes + 7) // 8 * 8
+    """One rank's part of the all-gather: cap int64 indices, then cap rows of wdt, its size
+    rounded up to 8 bytes (ddpc_rows_stride, the layout csrc/rows.c uses too)."""
+    return cap * 8, cap * width * wdt.itemsize, _C.rows_stride(cap, width, _CODE[wdt])
 
 
 def _exchange_sorted(call: Call, p: torch.Tensor, grad: Optional[torch.Tensor], group: Any,
@@ -307,8 +306,7 @@ def _exchange_sorted(call: Call, p: torch.Tensor, grad: Optional[torch.Tensor], 
     kernel per rank, in rank order, adds each run of equal indices. One C call queues it all
     (packing, the all-gather, the additions: csrc/rows.c); the host does not wait."""
     world, n, width = group.world_size, call.n, p.shape[1]
-    buf = torch.empty(world * _C.rows_stride(cap, width, _CODE[wdt]), dtype=torch.uint8,
-                      device=p.device)
+    buf = torch.empty(world * _layout(cap, width, wdt)[2], dtype=torch.uint8, device=p.device)
     # (None: this rank's backward did not reach the lookup, and it adds nothing)
     src = grad.reshape(n, width).contiguous() if grad is not None and n else None
     ids, perm = (call.sorted_ids, call.perm) if n else (None, None)
