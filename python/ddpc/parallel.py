@@ -810,6 +810,12 @@ class DistributedModel(torch.nn.Module):
         self._layout_stale = True
 
     def _attach_sink(self, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            # The usual output (a loss, logits): no pytree walk, which costs more host time
+            # than the sink itself at the start of a forward-bound step.
+            if not output.requires_grad:
+                return output
+            return _Sink.apply(weakref.ref(self), output)[0]
         leaves, spec = pytree.tree_flatten(output)
         idx = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not idx:
