@@ -82,6 +82,28 @@ class GPT(torch.nn.Module):
         return self.ln_f(x) @ self.wte.weight.t()
 
 
+class GcTimer:
+    """Host time spent in Python's garbage collector (gc.callbacks), to tell a phase slowed by a
+    collection that happened to fall in it from one slowed by its own work."""
+
+    ns = 0
+    _t0 = 0
+
+    @classmethod
+    def install(cls) -> None:
+        def cb(phase: str, info: dict) -> None:
+            if phase == "start":
+                cls._t0 = time.perf_counter_ns()
+            elif cls._t0:
+                cls.ns += time.perf_counter_ns() - cls._t0
+                cls._t0 = 0
+        gc.callbacks.append(cb)
+
+    @classmethod
+    def ms(cls) -> float:
+        return cls.ns * 1e-6
+
+
 def mib_now(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2 ** 20
@@ -284,9 +306,10 @@ class Variant:
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
             if hasattr(self.model, "_finalize_on_device"):
                 self._end_ev = torch.cuda.Event(enable_timing=True)
-        marks = []
+        marks, gc_ms = [], []
 
         def mark() -> None:
+            gc_ms.append(GcTimer.ms())
             marks.append(time.perf_counter())
             if cuda:
                 ev[len(marks) - 1].record()
@@ -316,7 +339,8 @@ class Variant:
             split = [math.nan, math.nan]
             if cuda and self._end_ev is not None:
                 split = [ev[1].elapsed_time(self._end_ev), self._end_ev.elapsed_time(ev[2])]
-            self.phases.append(host + gpu + split + [self._module_ms])
+            self.phases.append(host + gpu + split + [self._module_ms, gc_ms[1] - gc_ms[0],
+                                                     gc_ms[-1] - gc_ms[0]])
             self._count_alloc(before)
         self._end_ev = None
         if not math.isfinite(loss.item()):
@@ -513,7 +537,15 @@ def _worker(rank, args, ports, results):
     # Timing in rounds that cycle through the variants, so load from outside this benchmark
     # (other jobs on a shared machine) falls on all of them alike.
     per_round = args.round_steps if args.pipelined else 2
+    GcTimer.install()
+    if args.gc == "freeze":
+        gc.collect()
+        gc.freeze()  # what the variants built is never traversed again
+    elif args.gc == "off":
+        gc.disable()
     for _ in range((args.steps + per_round - 1) // per_round):
+        if args.gc == "off":
+            gc.collect()  # between rounds, outside every timed step
         for v in variants:
             if not v.single or rank == 0:
                 if args.pipelined:
@@ -642,6 +674,11 @@ def main() -> int:
                     help="time rounds of --round-steps steps issued back to back with one "
                          "synchronize per round, as a training loop that does not wait for each "
                          "step (no phase table then); by default every step is synchronized")
+    ap.add_argument("--gc", choices=["on", "freeze", "off"], default="on",
+                    help="Python's garbage collector during the timed steps: on (as a training "
+                         "script has it), freeze (gc.freeze() once every variant is built), or "
+                         "off (collected between rounds, outside the timed steps); the phase "
+                         "table's gc columns show the collector's time per step either way")
     ap.add_argument("--round-steps", type=int, default=6,
                     help="--pipelined: steps per round (default 6)")
     ap.add_argument("--trace", type=int, default=0, metavar="STEPS",
@@ -717,7 +754,8 @@ def main() -> int:
           f"{args.nproc} processes, {args.steps} timed steps after {args.warmup} warm-up"
           + (", bf16 autocast, fused AdamW" if args.device == "cuda" else ", fp32, AdamW")
           + (f"; pipelined: rounds of {args.round_steps} steps, one synchronize each"
-             if args.pipelined else "; every step synchronized"))
+             if args.pipelined else "; every step synchronized")
+          + ("" if args.gc == "on" else f"; Python's gc {args.gc} during the timed steps"))
     print("env: " + ", ".join(f"{k}={'<unset>' if v is None else v}" for k, v in env.items()))
     mem_name = "+max_memory_allocated" if args.device == "cuda" else "+peak RSS"
     w = max([32] + [len(r[0]) for r in rows])  # (the names' column)
@@ -747,17 +785,19 @@ def main() -> int:
         # backward's kernels and the gradients' copies or casts, beside the collectives already
         # running), and from there (the wait for the last collectives, the casts back).
         print(f"{'phases, median ms':{w}s} {'host fwd':>9s} {'model':>6s} {'bwd':>6s} {'opt':>6s}"
-              f"   {'GPU fwd':>8s} {'bwd':>6s} {'opt':>6s}   {'bwd: to end':>11s} {'end':>6s}")
+              f"   {'GPU fwd':>8s} {'bwd':>6s} {'opt':>6s}   {'gc: fwd':>7s} {'step':>6s}"
+              f"   {'bwd: to end':>11s} {'end':>6s}")
         for name, _, _, _, ph in rows:
             if ph:
                 split = ("" if math.isnan(ph[6]) else f"   {ph[6]:11.2f} {ph[7]:6.2f}")
                 print(f"{name:{w}s} {ph[0]:9.2f} {ph[8]:6.2f} {ph[1]:6.2f} {ph[2]:6.2f}   "
-                      f"{ph[3]:8.2f} {ph[4]:6.2f} {ph[5]:6.2f}{split}")
+                      f"{ph[3]:8.2f} {ph[4]:6.2f} {ph[5]:6.2f}   {ph[9]:7.2f} {ph[10]:6.2f}"
+                      f"{split}")
         for r in out_rows:
             ph = next(p for n, _, _, _, p in rows if n == r["variant"])
             r["phases_ms"] = dict(zip(["host_fwd", "host_bwd", "host_opt", "gpu_fwd", "gpu_bwd",
                                        "gpu_opt", "gpu_bwd_to_end", "gpu_bwd_end",
-                                       "host_model_fwd"],
+                                       "host_model_fwd", "gc_fwd", "gc_step"],
                                       [None if math.isnan(x) else x for x in ph])) if ph else None
     if wrapper_ms:
         # Inside ddpc's share of the host phases above (rank 0, mean per timed step): the
@@ -797,7 +837,7 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "config": cfg, "device": args.device,
                        "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
-                       "pipelined": args.round_steps if args.pipelined else 0,
+                       "pipelined": args.round_steps if args.pipelined else 0, "gc": args.gc,
                        "p2p_flag": args.p2p, "env": env, "memory_measure": mem_name,
                        "wall_s": wall, "rows": out_rows,
                        # per ddpc variant, per rank, per traced step: trace_summary's marks and
