@@ -68,10 +68,8 @@ struct DdpcReducer {
     int batch;            /* copies and casts wait for their bucket (DDPC_GRAD_BATCH=0: not) */
     int defer;            /* buckets go to the backend's posting thread (DdpcCollArgs.defer;
                            * DDPC_NCCL_POST_THREAD=0 when the reducer is made: not) */
-    int comm_casts;       /* device wire buckets' casts on the communication stream (see
-                           * wire_before): COMM_CASTS_BOTH (DDPC_COMM_CASTS=1) both ways,
-                           * COMM_CASTS_BACK (=back) only back; else on the caller's, back at
-                           * finalize */
+    int comm_casts;       /* DDPC_COMM_CASTS=1: device wire buckets cast on the communication
+                           * stream (see wire_before); else on the caller's, back at finalize */
     int *seen;            /* parameters in the order they became ready */
     int nseen;
     /* the last finished step */
@@ -299,27 +297,6 @@ static ddpc_status tail_bucket_bytes(size_t *out) {
     return DDPC_OK;
 }
 
-enum { COMM_CASTS_NONE = 0, COMM_CASTS_BOTH = 1, COMM_CASTS_BACK = 2 };
-
-/* DDPC_COMM_CASTS: unset, "" or 0 (the default), 1, or back. */
-static ddpc_status comm_casts_mode(int *out) {
-    const char *v = getenv("DDPC_COMM_CASTS");
-    *out = COMM_CASTS_NONE;
-    if (!v || !v[0] || strcmp(v, "0") == 0) return DDPC_OK;
-    if (strcmp(v, "1") == 0) {
-        *out = COMM_CASTS_BOTH;
-        return DDPC_OK;
-    }
-    if (strcmp(v, "back") == 0) {
-        *out = COMM_CASTS_BACK;
-        return DDPC_OK;
-    }
-    return ddpc_error(DDPC_ERR_INVALID, "DDPC_COMM_CASTS=%s is not a setting: use 1 (bf16/fp16 "
-                      "buckets cast to and from the wire on the communication stream), back "
-                      "(only the casts back, right behind each all-reduce), or 0/unset (the "
-                      "default)", v);
-}
-
 ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
                                 const ddpc_dtype *dtypes, const int *devices, const int *order,
                                 const uint8_t *late, size_t first_bucket_bytes,
@@ -341,7 +318,8 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
     r->batch = !(batch && strcmp(batch, "0") == 0);
     const char *post_thread = getenv("DDPC_NCCL_POST_THREAD");
     r->defer = !(post_thread && strcmp(post_thread, "0") == 0);
-    DDPC_CHECK_GOTO(comm_casts_mode(&r->comm_casts), st, fail);
+    const char *comm_casts = getenv("DDPC_COMM_CASTS");
+    r->comm_casts = comm_casts && strcmp(comm_casts, "1") == 0;
     size_t tail_bytes = 0;
     DDPC_CHECK_GOTO(tail_bucket_bytes(&tail_bytes), st, fail);
     size_t n = (size_t)nparams;
@@ -750,10 +728,8 @@ static ddpc_status to_wire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
  * collective, beside the backward's kernels rather than between them: into the wire once that
  * stream has caught up with the caller's (wire_before), and the reduced values back into the
  * slots and the gradients cast from where they lay right behind the collective (unwire_after),
- * so finalize only waits. With DDPC_COMM_CASTS=back only the casts back move there: the end of
- * backward is left with the last buckets' casts, and the casts into the wire stay where the
- * gradients are made. Both run inside the post, on the thread that posts it, with r->mu held
- * (so such a post is not deferred to the posting thread). */
+ * so finalize only waits. Both run inside the post, on the thread that posts it, with r->mu
+ * held. */
 static ddpc_status wire_before(void *ctx, uintptr_t comm_stream) {
     Bucket *bk = ctx;
     return to_wire(bk->owner, bk, comm_stream);
@@ -776,10 +752,8 @@ static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
      * ones before it (see ddpc.h), and casts back behind it on the communication stream made a
      * step 0.6 ms slower without P2P in one run (the later staged calls queue behind them). */
     size_t staged = ddpc_group_staged_min_bytes(r->g);
-    int on_comm = wire && bk->device >= 0 && r->comm_casts != COMM_CASTS_NONE &&
-                  !(staged && bk->count * ddpc_dtype_size(dt) >= staged);
-    int before = on_comm && r->comm_casts == COMM_CASTS_BOTH;
-    int after = on_comm; /* (both modes cast back behind the collective) */
+    int before = wire && bk->device >= 0 && r->comm_casts &&
+                 !(staged && bk->count * ddpc_dtype_size(dt) >= staged);
     /* the copies into slots (and, unless they go on the communication stream, the casts) go on
      * the gradients' stream, and the collective's stream waits for them */
     ddpc_status st = flush_due(r, bk, stream, !before);
@@ -793,7 +767,7 @@ static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
         .op = DDPC_COLL_ALLREDUCE, .send = NULL, .recv = wire ? bk->comm_buf : bk->buf,
         .count = bk->count, .dtype = dt, .redop = DDPC_AVG, .root = 0, .device = bk->device,
         .stream = stream, .before = before ? wire_before : NULL,
-        .after = after ? unwire_after : NULL, .hook_ctx = bk, .defer = r->defer && !after,
+        .after = before ? unwire_after : NULL, .hook_ctx = bk, .defer = r->defer && !before,
     };
     st = ddpc_group_post(r->g, &a, &bk->work);
     if (st != DDPC_OK)
