@@ -297,6 +297,16 @@ static ddpc_status tail_bucket_bytes(size_t *out) {
     return DDPC_OK;
 }
 
+/* DDPC_COMM_CASTS: unset, "" or 0 (the default) or 1. */
+static ddpc_status comm_casts_mode(int *out) {
+    const char *v = getenv("DDPC_COMM_CASTS");
+    *out = v && strcmp(v, "1") == 0;
+    if (!v || !v[0] || strcmp(v, "0") == 0 || *out) return DDPC_OK;
+    return ddpc_error(DDPC_ERR_INVALID, "DDPC_COMM_CASTS=%s is not a setting: use 1 (bf16/fp16 "
+                      "buckets cast to and from the wire on the communication stream, around "
+                      "each all-reduce) or 0/unset (the default)", v);
+}
+
 ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
                                 const ddpc_dtype *dtypes, const int *devices, const int *order,
                                 const uint8_t *late, size_t first_bucket_bytes,
@@ -318,8 +328,7 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
     r->batch = !(batch && strcmp(batch, "0") == 0);
     const char *post_thread = getenv("DDPC_NCCL_POST_THREAD");
     r->defer = !(post_thread && strcmp(post_thread, "0") == 0);
-    const char *comm_casts = getenv("DDPC_COMM_CASTS");
-    r->comm_casts = comm_casts && strcmp(comm_casts, "1") == 0;
+    DDPC_CHECK_GOTO(comm_casts_mode(&r->comm_casts), st, fail);
     size_t tail_bytes = 0;
     DDPC_CHECK_GOTO(tail_bucket_bytes(&tail_bytes), st, fail);
     size_t n = (size_t)nparams;

@@ -574,7 +574,7 @@ static void test_mark_ready_grad_to_wire(void) {
  * collective: into the wire, and back into the gradients cast from where they lay and into its
  * slots, so finalize queues no cast. Around an all-reduce that takes the staged path, and with
  * without DDPC_COMM_CASTS=1 (the default), all go on the caller's stream, and back at
- * finalize. */
+ * finalize. A value that is no setting fails the reducer's creation. */
 static void test_device_casts_on_comm_stream(void) {
     size_t numels[3] = {3, 5, 2};
     ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
@@ -673,6 +673,14 @@ static void test_device_casts_on_comm_stream(void) {
         free(mem);
         free(wire);
     }
+    setenv("DDPC_COMM_CASTS", "yes", 1);
+    DdpcReducer *bad = NULL;
+    ddpc_status st = ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 1000, 1000,
+                                         DDPC_BFLOAT16, &bad);
+    EXPECT(st == DDPC_ERR_INVALID && !bad && strstr(ddpc_last_error(), "DDPC_COMM_CASTS=yes") &&
+               strstr(ddpc_last_error(), "0/unset"),
+           "DDPC_COMM_CASTS=yes: %d %s", (int)st, ddpc_last_error());
+    if (bad) ddpc_reducer_destroy(bad);
     unsetenv("DDPC_COMM_CASTS");
     g_staged_min = 0;
 }
