@@ -980,3 +980,16 @@ def test_embedding_rows_setting_is_checked(world_one, monkeypatch):
         world_one.wrap_model(torch.nn.Embedding(5, 3))
     monkeypatch.setenv("DDPC_EMBEDDING_ROWS", "0")
     assert world_one.wrap_model(torch.nn.Embedding(5, 3))._routes == []
+
+
+def test_comm_casts_setting_is_checked(world_one, monkeypatch):
+    """DDPC_COMM_CASTS takes 0, 1 or nothing; anything else is refused by wrap_model with the
+    values it takes, instead of meaning off."""
+    monkeypatch.setenv("DDPC_COMM_CASTS", "yes")
+    with pytest.raises(ValueError, match=r"DDPC_COMM_CASTS=yes is not a setting: use 1 .* or "
+                                         r"0/unset"):
+        world_one.wrap_model(torch.nn.Linear(3, 2))
+    for ok in ("0", "1", ""):
+        monkeypatch.setenv("DDPC_COMM_CASTS", ok)
+        m = world_one.wrap_model(torch.nn.Linear(3, 2))
+        m(torch.randn(2, 3)).sum().backward()
