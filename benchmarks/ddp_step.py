@@ -23,6 +23,7 @@ import gc
 import json
 import math
 import queue
+import resource
 import signal
 import os
 import socket
@@ -104,6 +105,26 @@ class GcTimer:
         return cls.ns * 1e-6
 
 
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)
+
+
+def thread_usage() -> tuple:
+    """This thread's (minor page faults, voluntary, involuntary context switches) so far."""
+    if _RUSAGE_THREAD is None:
+        return (0, 0, 0)
+    r = resource.getrusage(_RUSAGE_THREAD)
+    return (r.ru_minflt, r.ru_nvcsw, r.ru_nivcsw)
+
+
+def current_cpu() -> int:
+    """The CPU this thread last ran on (field 39 of /proc/thread-self/stat), -1 if unknown."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
 def mib_now(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2 ** 20
@@ -168,6 +189,10 @@ class Variant:
         self._trace = None  # the ddpc.comm_trace of a traced step (--trace)
         self.traced = []  # per traced step: its marks and buckets (trace_summary)
         self.alloc = [0, 0, 0]  # over the timed steps: cudaMalloc and cudaFree calls, retries
+        # over the timed steps, the main thread in the forward: minor page faults, voluntary and
+        # involuntary context switches; and steps at whose end it ran on another CPU than at
+        # their start (read outside the timed part)
+        self.host_ev = [0, 0, 0, 0]
         self.mem = float("nan")
 
     def build(self, cfg, args, device, rank) -> None:
@@ -306,10 +331,12 @@ class Variant:
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
             if hasattr(self.model, "_finalize_on_device"):
                 self._end_ev = torch.cuda.Event(enable_timing=True)
-        marks, gc_ms = [], []
+        marks, gc_ms, usage = [], [], []
+        cpu0 = current_cpu() if timed else -1
 
         def mark() -> None:
             gc_ms.append(GcTimer.ms())
+            usage.append(thread_usage())
             marks.append(time.perf_counter())
             if cuda:
                 ev[len(marks) - 1].record()
@@ -342,6 +369,9 @@ class Variant:
             self.phases.append(host + gpu + split + [self._module_ms, gc_ms[1] - gc_ms[0],
                                                      gc_ms[-1] - gc_ms[0]])
             self._count_alloc(before)
+            fwd = [b - a for a, b in zip(usage[0], usage[1])]
+            cpu1 = current_cpu()
+            self.host_ev = [t + d for t, d in zip(self.host_ev, fwd + [int(cpu0 != cpu1)])]
         self._end_ev = None
         if not math.isfinite(loss.item()):
             raise RuntimeError(f"{self.name}: the loss is {loss.item()}")
@@ -564,16 +594,19 @@ def _worker(rank, args, ports, results):
     traces = [(v.name, v.traced) for v in variants if v.traced]
     mine = [(v.name, statistics.median(v.times) if v.times else None, v.mem, v.times,
              [statistics.median(col) for col in zip(*v.phases)] if v.phases else None,
-             [x / max(len(v.times), 1) for x in v.alloc])
+             [x / max(len(v.times), 1) for x in v.alloc],
+             [x / max(len(v.times), 1) for x in v.host_ev])
             for v in variants]
     gathered = [None] * n
     tdist.all_gather_object(gathered, mine)
-    rows, allocs = [], {}
+    rows, allocs, host_ev = [], {}, {}
     for k, v in enumerate(variants):
         allocs[v.name] = (gathered[0][k][5] if v.single else
                           [max(g[k][5][j] for g in gathered) for j in range(3)])
+        host_ev[v.name] = (gathered[0][k][6] if v.single else
+                           [max(g[k][6][j] for g in gathered) for j in range(4)])
         if v.single:
-            name, ms, mem, times, phases, _ = gathered[0][k]
+            name, ms, mem, times, phases, _, _ = gathered[0][k]
         else:
             name, ms, mem = (v.name, max(g[k][1] for g in gathered),
                              max(g[k][2] for g in gathered))
@@ -596,7 +629,7 @@ def _worker(rank, args, ports, results):
     tdist.all_gather_object(every_trace, traces)
     traces = [(name, [every_trace[r][k][1] for r in range(n)])
               for k, (name, _) in enumerate(traces)]
-    results.put((rank, "ok", (rows, describe_env(device), wrapper_ms, traces, allocs)))
+    results.put((rank, "ok", (rows, describe_env(device), wrapper_ms, traces, allocs, host_ev)))
     tdist.destroy_process_group()
     ddpc.destroy_process_group()
 
@@ -738,7 +771,7 @@ def main() -> int:
         if status != "ok":
             failed.append((rank, value))
         elif rank == 0:
-            rows, env, wrapper_ms, traces, allocs = value
+            rows, env, wrapper_ms, traces, allocs, host_ev = value
     for p in procs:
         p.join(timeout=30 if failed else None)
         if p.is_alive():
@@ -827,6 +860,16 @@ def main() -> int:
         for r in out_rows:
             r["allocator_per_step"] = dict(zip(["cuda_malloc", "cuda_free", "retries"],
                                               allocs.get(r["variant"], [0, 0, 0])))
+    # What the OS did to the thread that runs the forward (host-bound in synchronized GPU steps):
+    # page faults, being switched out, moving to another CPU.
+    print(f"{'main thread, per step (worst rank)':{w}s} {'fwd: faults':>11s} {'vol cs':>7s} "
+          f"{'invol cs':>9s}   {'CPU changed':>11s}")
+    for name, e in host_ev.items():
+        print(f"{name:{w}s} {e[0]:11.1f} {e[1]:7.2f} {e[2]:9.2f}   {e[3]:11.2f}")
+    for r in out_rows:
+        r["main_thread_per_step"] = dict(zip(["fwd_minor_faults", "fwd_voluntary_cs",
+                                              "fwd_involuntary_cs", "cpu_changed"],
+                                             host_ev.get(r["variant"], [0, 0, 0, 0])))
     for name, per_rank in traces:
         print_traces(name, per_rank)
     wall = time.monotonic() - t_start
