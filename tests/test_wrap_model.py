@@ -558,6 +558,12 @@ def sc_state_dict(rank):
     x, _ = batch(50, torch.float32)
     wrapped(shard(x, rank)).sum().backward()
     out["scale"] = model.scale.tolist()
+    # a buffer replaced by assignment, and one registered after the wrap, follow rank 0 too
+    model.scale = torch.full((3,), 7.0 + rank)
+    model.fc.register_buffer("late", torch.full((2,), float(rank)))
+    wrapped(shard(x, rank)).sum().backward()
+    out["replaced"] = model.scale.tolist()
+    out["late"] = model.fc.late.tolist()
     return out
 
 
@@ -844,6 +850,8 @@ def test_state_dict_attributes_and_buffers(runs):
                     "nested_loaded"):
             assert r[key], key
         assert r["scale"] == [1.0, 1.0, 1.0]
+        assert r["replaced"] == [7.0, 7.0, 7.0]  # rank 0's replacement, on every rank
+        assert r["late"] == [0.0, 0.0]  # registered after wrap_model: rank 0's (as torch DDP)
 
 
 def test_autocast_gradscaler_clip_identical_on_every_rank(runs):

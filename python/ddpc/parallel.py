@@ -313,6 +313,11 @@ class DistributedModel(torch.nn.Module):
                 _broadcast_flat([p.data for p in module.parameters()] + list(module.buffers()),
                                 group, self._device)
         self._buffer_works: List[Any] = []  # the last forward's buffer broadcasts
+        # The modules, listed once: module.buffers() walks them through named_modules() at
+        # each forward, about 90 us for GPT-2's 89 modules, none of which has a buffer. Their
+        # buffers are read at each forward, so one registered or replaced later is broadcast
+        # too, as torch DDP does.
+        self._modules_list = list(module.modules())
         n = len(self._params)
         self._order = list(range(n - 1, -1, -1))
         self._late = [1] * n   # nothing launches early until the order is known
@@ -809,6 +814,19 @@ class DistributedModel(torch.nn.Module):
         # the old buckets for optimizer.step(), and after zero_grad() nothing needs carrying over.
         self._layout_stale = True
 
+    def _current_buffers(self) -> List[torch.Tensor]:
+        """The buffers of the modules wrap_model found, each once, in module.buffers()'s order
+        (the same on every rank)."""
+        out: List[torch.Tensor] = []
+        seen = set()
+        for m in self._modules_list:
+            if m._buffers:
+                for b in m._buffers.values():
+                    if b is not None and id(b) not in seen:
+                        seen.add(id(b))
+                        out.append(b)
+        return out
+
     def _attach_sink(self, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
             # The usual output (a loss, logits): no pytree walk, which costs more host time
@@ -836,7 +854,7 @@ class DistributedModel(torch.nn.Module):
             if self._layout_stale:
                 self._build_buckets()
             if self._broadcast_buffers and self._world > 1:
-                buffers = list(self.module.buffers())
+                buffers = self._current_buffers()
                 if buffers:
                     # The previous step's handles go only now, when their collectives are long
                     # done: dropping a running one would make the host wait for the GPU.
@@ -1070,7 +1088,8 @@ def wrap_model(module: torch.nn.Module, *, bucket_cap_mb: Optional[float] = None
     with a 16-bit grad_dtype (the same 100 MiB per collective), else 25 (torch DDP's default);
     ddpc.parallel.default_bucket_cap_mb(group, grad_dtype) says which.
     broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank at each
-    forward that runs with autograd on.
+    forward that runs with autograd on (those of the submodules the module had when wrapped,
+    including buffers registered or replaced since, as torch DDP).
     grad_dtype: torch.bfloat16 or torch.float16 to reduce gradients in that dtype (half the
     traffic of float32; gradients are cast back afterwards); None reduces in the parameters' dtype.
 
