@@ -174,24 +174,20 @@ ddpc_status rows_accumulate_launch(void *grad, size_t num_rows, size_t width, co
     return DDPC_OK;
 }
 
-template <typename G>
-ddpc_status rows_accumulate_from(void *grad, size_t num_rows, size_t width, const int64_t *ids,
-                                 const int64_t *perm, size_t n, const void *rows,
-                                 ddpc_dtype rows_dt, int64_t skip, double scale,
-                                 cudaStream_t st) {
-    switch (rows_dt) {
-    case DDPC_FLOAT32:
-        return rows_accumulate_launch<G, float>(grad, num_rows, width, ids, perm, n, rows, skip,
-                                                scale, st);
-    case DDPC_FLOAT64:
-        return rows_accumulate_launch<G, double>(grad, num_rows, width, ids, perm, n, rows, skip,
-                                                 scale, st);
-    case DDPC_FLOAT16:
-        return rows_accumulate_launch<G, __half>(grad, num_rows, width, ids, perm, n, rows, skip,
-                                                 scale, st);
-    default:
-        return rows_accumulate_launch<G, __nv_bfloat16>(grad, num_rows, width, ids, perm, n, rows,
-                                                        skip, scale, st);
+/* Calls f(TypeTag<T>()) with T the device type of float dtype dt (the caller has checked
+ * is_float_dtype): one place for the dtype switch of the kernels that take two float dtypes. */
+template <typename T>
+struct TypeTag {
+    using type = T;
+};
+
+template <typename F>
+ddpc_status with_float_type(ddpc_dtype dt, F &&f) {
+    switch (dt) {
+    case DDPC_FLOAT32: return f(TypeTag<float>());
+    case DDPC_FLOAT64: return f(TypeTag<double>());
+    case DDPC_FLOAT16: return f(TypeTag<__half>());
+    default: return f(TypeTag<__nv_bfloat16>());
     }
 }
 
@@ -232,26 +228,6 @@ ddpc_status rows_pack_launch(void *ids_out, void *rows_out, size_t cap, size_t w
                           n, cap, width, cudaGetErrorName(e), cudaGetErrorString(e), __FILE__,
                           __LINE__);
     return DDPC_OK;
-}
-
-template <typename W>
-ddpc_status rows_pack_from(void *ids_out, void *rows_out, size_t cap, size_t width,
-                           const int64_t *sorted_ids, const int64_t *perm, size_t n,
-                           const void *src, ddpc_dtype src_dt, cudaStream_t st) {
-    switch (src_dt) {
-    case DDPC_FLOAT32:
-        return rows_pack_launch<W, float>(ids_out, rows_out, cap, width, sorted_ids, perm, n, src,
-                                          st);
-    case DDPC_FLOAT64:
-        return rows_pack_launch<W, double>(ids_out, rows_out, cap, width, sorted_ids, perm, n,
-                                           src, st);
-    case DDPC_FLOAT16:
-        return rows_pack_launch<W, __half>(ids_out, rows_out, cap, width, sorted_ids, perm, n,
-                                           src, st);
-    default:
-        return rows_pack_launch<W, __nv_bfloat16>(ids_out, rows_out, cap, width, sorted_ids, perm,
-                                                  n, src, st);
-    }
 }
 
 /* The embedding rows' sort of one lookup's indices: one block of kSortThreads threads, each
@@ -532,20 +508,12 @@ ddpc_status ddpc_device_rows_accumulate(void *grad, ddpc_dtype grad_dt, size_t n
         return ddpc_error(DDPC_ERR_INVALID, "device rows accumulation: %zu rows, more than one "
                           "launch takes (2^31 - 1)", n);
     cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-    switch (grad_dt) {
-    case DDPC_FLOAT32:
-        return rows_accumulate_from<float>(grad, num_rows, width, sorted_ids, perm, n, rows,
-                                           rows_dt, skip, scale, st);
-    case DDPC_FLOAT64:
-        return rows_accumulate_from<double>(grad, num_rows, width, sorted_ids, perm, n, rows,
-                                            rows_dt, skip, scale, st);
-    case DDPC_FLOAT16:
-        return rows_accumulate_from<__half>(grad, num_rows, width, sorted_ids, perm, n, rows,
-                                            rows_dt, skip, scale, st);
-    default:
-        return rows_accumulate_from<__nv_bfloat16>(grad, num_rows, width, sorted_ids, perm, n,
-                                                   rows, rows_dt, skip, scale, st);
-    }
+    return with_float_type(grad_dt, [&](auto g) {
+        return with_float_type(rows_dt, [&](auto r) {
+            return rows_accumulate_launch<typename decltype(g)::type, typename decltype(r)::type>(
+                grad, num_rows, width, sorted_ids, perm, n, rows, skip, scale, st);
+        });
+    });
 }
 
 ddpc_status ddpc_device_rows_pack(void *ids_out, void *rows_out, ddpc_dtype wire_dt, size_t cap,
@@ -567,20 +535,12 @@ ddpc_status ddpc_device_rows_pack(void *ids_out, void *rows_out, ddpc_dtype wire
         return ddpc_error(DDPC_ERR_INVALID, "device rows packing: %zu slots, more than one launch "
                           "takes (2^31 - 1)", cap);
     cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-    switch (wire_dt) {
-    case DDPC_FLOAT32:
-        return rows_pack_from<float>(ids_out, rows_out, cap, width, sorted_ids, perm, n, src,
-                                     src_dt, st);
-    case DDPC_FLOAT64:
-        return rows_pack_from<double>(ids_out, rows_out, cap, width, sorted_ids, perm, n, src,
-                                      src_dt, st);
-    case DDPC_FLOAT16:
-        return rows_pack_from<__half>(ids_out, rows_out, cap, width, sorted_ids, perm, n, src,
-                                      src_dt, st);
-    default:
-        return rows_pack_from<__nv_bfloat16>(ids_out, rows_out, cap, width, sorted_ids, perm, n,
-                                             src, src_dt, st);
-    }
+    return with_float_type(wire_dt, [&](auto w) {
+        return with_float_type(src_dt, [&](auto r) {
+            return rows_pack_launch<typename decltype(w)::type, typename decltype(r)::type>(
+                ids_out, rows_out, cap, width, sorted_ids, perm, n, src, st);
+        });
+    });
 }
 
 ddpc_status ddpc_device_sort_ids(const int64_t *ids, size_t n, size_t num_rows, int64_t *sorted,
