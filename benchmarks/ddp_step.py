@@ -125,6 +125,28 @@ def current_cpu() -> int:
         return -1
 
 
+def host_probe() -> float:
+    """ms that a fixed piece of pure-Python work takes on this thread now: run right before
+    each timed step, it says how fast the host ran that step's Python (on the shared VMs of
+    the GPU machines, the same work took 7-15 ms from one moment to the next on one vCPU)."""
+    t0 = time.perf_counter()
+    s, d = 0, {}
+    for i in range(20000):
+        s += i * 3 % 7
+        d[i & 255] = s
+    return (time.perf_counter() - t0) * 1e3
+
+
+def read_cpu_times():
+    """The 'cpu' line of /proc/stat (ddpc.doctor.CpuTimes), None where there is none."""
+    from ddpc.doctor import parse_proc_stat
+    try:
+        with open("/proc/stat") as f:
+            return parse_proc_stat(f.read()).get("cpu")
+    except OSError:
+        return None
+
+
 def mib_now(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2 ** 20
@@ -193,6 +215,7 @@ class Variant:
         # involuntary context switches; and steps at whose end it ran on another CPU than at
         # their start (read outside the timed part)
         self.host_ev = [0, 0, 0, 0]
+        self.probes = []  # host_probe() before each synchronized timed step, ms
         self.mem = float("nan")
 
     def build(self, cfg, args, device, rank) -> None:
@@ -316,6 +339,8 @@ class Variant:
         cuda = device.type == "cuda"
         before = self._alloc_counts() if timed else None
         self._module_ms = 0.0
+        if timed and sync:
+            self.probes.append(host_probe())
         if not sync:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
                 logits = self.model(x)
@@ -443,8 +468,29 @@ def worker(rank, args, ports, results):
         raise
 
 
+def parse_cpus(text: str, nproc: int) -> list:
+    """--cpus "0-7;16-23": one CPU set per rank, ';' between ranks, each a list of CPUs and
+    ranges ("0,2,4-7")."""
+    sets = []
+    for part in text.split(";"):
+        cpus = set()
+        for item in part.split(","):
+            a, _, b = item.strip().partition("-")
+            if not a.isdigit() or (b and not b.isdigit()) or (b and int(b) < int(a)):
+                raise ValueError(f"--cpus {text!r}: {item.strip()!r} is not a CPU or a range "
+                                 f"such as 4-7")
+            cpus.update(range(int(a), int(b or a) + 1))
+        sets.append(cpus)
+    if len(sets) != nproc:
+        raise ValueError(f"--cpus {text!r} gives {len(sets)} CPU sets for {nproc} processes: "
+                         f"give one per rank, separated by ';'")
+    return sets
+
+
 def _worker(rank, args, ports, results):
     os.environ.setdefault("DDPC_TOKEN", "ddp-step-benchmark")
+    if args.cpus:
+        os.sched_setaffinity(0, parse_cpus(args.cpus, args.nproc)[rank])
     if args.p2p == "off":
         os.environ["NCCL_P2P_DISABLE"] = "1"
     elif args.p2p == "on":
@@ -567,6 +613,7 @@ def _worker(rank, args, ports, results):
     # Timing in rounds that cycle through the variants, so load from outside this benchmark
     # (other jobs on a shared machine) falls on all of them alike.
     per_round = args.round_steps if args.pipelined else 2
+    stat0 = read_cpu_times()
     GcTimer.install()
     if args.gc == "freeze":
         gc.collect()
@@ -585,6 +632,7 @@ def _worker(rank, args, ports, results):
                         v.step()
             if v.single:
                 tdist.barrier()
+    stat1 = read_cpu_times()
     for v in variants:
         # (every rank traces the same variants in the same order: the steps' collectives pair)
         if (args.trace and args.device == "cuda" and not v.single
@@ -595,7 +643,8 @@ def _worker(rank, args, ports, results):
     mine = [(v.name, statistics.median(v.times) if v.times else None, v.mem, v.times,
              [statistics.median(col) for col in zip(*v.phases)] if v.phases else None,
              [x / max(len(v.times), 1) for x in v.alloc],
-             [x / max(len(v.times), 1) for x in v.host_ev])
+             [x / max(len(v.times), 1) for x in v.host_ev]
+             + [statistics.median(v.probes) if v.probes else math.nan])
             for v in variants]
     gathered = [None] * n
     tdist.all_gather_object(gathered, mine)
@@ -604,7 +653,7 @@ def _worker(rank, args, ports, results):
         allocs[v.name] = (gathered[0][k][5] if v.single else
                           [max(g[k][5][j] for g in gathered) for j in range(3)])
         host_ev[v.name] = (gathered[0][k][6] if v.single else
-                           [max(g[k][6][j] for g in gathered) for j in range(4)])
+                           [max(g[k][6][j] for g in gathered) for j in range(5)])
         if v.single:
             name, ms, mem, times, phases, _, _ = gathered[0][k]
         else:
@@ -629,7 +678,14 @@ def _worker(rank, args, ports, results):
     tdist.all_gather_object(every_trace, traces)
     traces = [(name, [every_trace[r][k][1] for r in range(n)])
               for k, (name, _) in enumerate(traces)]
-    results.put((rank, "ok", (rows, describe_env(device), wrapper_ms, traces, allocs, host_ev)))
+    env = describe_env(device)
+    if stat0 and stat1:
+        # the whole machine during the timed steps (these processes' work included)
+        from ddpc.doctor import host_load
+        busy, steal = host_load(stat0, stat1, 0.0, os.cpu_count() or 1)
+        env["host during the timed steps"] = (f"{busy:.1f} of {os.cpu_count()} CPUs busy, "
+                                              f"{steal:.1%} of CPU time stolen by the hypervisor")
+    results.put((rank, "ok", (rows, env, wrapper_ms, traces, allocs, host_ev)))
     tdist.destroy_process_group()
     ddpc.destroy_process_group()
 
@@ -718,6 +774,9 @@ def main() -> int:
                     help="cuda: after the timed steps, run this many more steps of each ddpc "
                          "variant inside ddpc.comm_trace and print when each gradient bucket "
                          "was ready, queued, reduced and done, every rank side by side")
+    ap.add_argument("--cpus", default="",
+                    help='one CPU set per rank, e.g. "0-7;16-23": each rank (and every thread it '
+                         'starts) runs only there; by default the OS places them')
     ap.add_argument("--timeout", type=float, default=200.0,
                     help="seconds before the workers are stopped (default 200)")
     args = ap.parse_args()
@@ -728,6 +787,15 @@ def main() -> int:
     if args.trace < 0 or (args.trace and args.device != "cuda"):
         ap.error(f"--trace {args.trace}: give a number of steps, with --device cuda (the trace "
                  f"reads CUDA events)")
+    if args.cpus:
+        try:
+            bad = [c for cpus in parse_cpus(args.cpus, args.nproc) for c in cpus
+                   if c not in os.sched_getaffinity(0)]
+        except ValueError as e:
+            ap.error(str(e))
+        if bad:
+            ap.error(f"--cpus {args.cpus!r}: CPU {bad[0]} is not one this process may run on "
+                     f"({len(os.sched_getaffinity(0))} CPUs)")
     args.steps = args.steps or (30 if args.device == "cuda" else 10)
     args.model = args.model or ("gpt2" if args.device == "cuda" else "small")
     if args.device == "cuda":
@@ -795,17 +863,21 @@ def main() -> int:
     ref = next((ms for name, ms, *_ in rows if name == "torch DDP"), rows[0][1])
     single = next(((ms, r) for name, ms, _, r, _ in rows if name.startswith("1 process")), None)
     print(f"{'variant':{w}s} {'ms/step':>9s} {'vs torch DDP':>13s} {'scaling eff.':>13s} "
-          f"{'paired':>7s} {mem_name + ' MiB':>26s}")
+          f"{'paired':>7s} {'rounds p25-p75':>15s} {mem_name + ' MiB':>26s}")
     out_rows = []
     for name, ms, mem, rounds, _ in rows:
         is_single = name.startswith("1 process")
         eff = single[0] / ms if single and not is_single else None
-        paired = None
+        paired, spread = None, ""
         if single and not is_single and rounds and len(rounds) == len(single[1]):
-            paired = statistics.median(a / b for a, b in zip(single[1], rounds))
+            ratios = [a / b for a, b in zip(single[1], rounds)]
+            paired = statistics.median(ratios)
+            if len(ratios) >= 4:  # how much the rounds' ratios scatter: the run's own noise
+                q = statistics.quantiles(ratios, n=4)
+                spread = f"{q[0]:.3f}-{q[2]:.3f}"
         print(f"{name:{w}s} {ms:9.1f} {ms / ref:13.2f} "
               f"{'' if eff is None else f'{eff:.2f}':>13s} "
-              f"{'' if paired is None else f'{paired:.3f}':>7s} {mem:26.0f}")
+              f"{'' if paired is None else f'{paired:.3f}':>7s} {spread:>15s} {mem:26.0f}")
         out_rows.append({"variant": name, "ms_per_step": ms, "vs_torch_ddp": ms / ref,
                          "scaling_efficiency": eff, "paired_efficiency": paired,
                          "round_ms": rounds, "peak_mib_added": mem})
@@ -862,14 +934,17 @@ def main() -> int:
                                               allocs.get(r["variant"], [0, 0, 0])))
     # What the OS did to the thread that runs the forward (host-bound in synchronized GPU steps):
     # page faults, being switched out, moving to another CPU.
+    # "host probe": the median ms of a fixed piece of Python run just before each step (the
+    # slower rank's): how fast the host was while this variant ran, whatever the variant does.
     print(f"{'main thread, per step (worst rank)':{w}s} {'fwd: faults':>11s} {'vol cs':>7s} "
-          f"{'invol cs':>9s}   {'CPU changed':>11s}")
+          f"{'invol cs':>9s}   {'CPU changed':>11s}   {'host probe ms':>13s}")
     for name, e in host_ev.items():
-        print(f"{name:{w}s} {e[0]:11.1f} {e[1]:7.2f} {e[2]:9.2f}   {e[3]:11.2f}")
+        print(f"{name:{w}s} {e[0]:11.1f} {e[1]:7.2f} {e[2]:9.2f}   {e[3]:11.2f}   {e[4]:13.2f}")
     for r in out_rows:
         r["main_thread_per_step"] = dict(zip(["fwd_minor_faults", "fwd_voluntary_cs",
-                                              "fwd_involuntary_cs", "cpu_changed"],
-                                             host_ev.get(r["variant"], [0, 0, 0, 0])))
+                                              "fwd_involuntary_cs", "cpu_changed",
+                                              "host_probe_ms"],
+                                             host_ev.get(r["variant"], [0, 0, 0, 0, 0])))
     for name, per_rank in traces:
         print_traces(name, per_rank)
     wall = time.monotonic() - t_start

@@ -251,6 +251,68 @@ def test_bus_ids_compare_across_sources():
     assert doctor.normalize_bus_id("1b:00.0") == "0000:1b:00.0"
 
 
+PROC_STAT = """cpu  100 5 20 1000 10 1 2 30 0 0
+cpu0 50 5 10 500 5 1 1 15 0 0
+cpu1 50 0 10 500 5 0 1 15 0 0
+intr 12345 0 0
+ctxt 999
+"""
+
+
+def test_parse_proc_stat_reads_busy_idle_and_steal():
+    got = doctor.parse_proc_stat(PROC_STAT)
+    assert set(got) == {"cpu", "cpu0", "cpu1"}
+    assert got["cpu"] == doctor.CpuTimes(busy=100 + 5 + 20 + 1 + 2, idle=1000 + 10, steal=30)
+    assert got["cpu1"] == doctor.CpuTimes(busy=61, idle=505, steal=15)
+    # a kernel older than the steal field: it counts as none
+    assert doctor.parse_proc_stat("cpu 1 2 3 4\n")["cpu"] == doctor.CpuTimes(6, 4, 0)
+
+
+def test_host_load_separates_own_work_other_work_and_steal():
+    a = doctor.CpuTimes(busy=1000, idle=5000, steal=100)
+    # 400 ticks on 4 CPUs: 250 busy (100 of them ours), 100 idle, 50 stolen
+    b = doctor.CpuTimes(busy=1250, idle=5100, steal=150)
+    others, steal = doctor.host_load(a, b, own_ticks=100, ncpus=4)
+    assert others == pytest.approx(150 / 400 * 4)
+    assert steal == pytest.approx(50 / 400)
+    assert doctor.host_load(a, a, 0, 4) == (0.0, 0.0)  # no time passed: nothing to say
+    assert doctor.host_load(a, b, own_ticks=1000, ncpus=4)[0] == 0.0  # never below 0
+
+
+def test_host_verdicts_say_what_takes_the_cpus():
+    steady = [2.0, 2.1, 2.0, 2.05, 2.0, 2.1]
+    assert doctor.host_verdicts(0.0, 0.0, 8, steady) == [
+        ("OK", "the host's CPUs were steady, and free of other work")]
+    kinds = lambda *a: [k for k, _ in doctor.host_verdicts(*a)]  # noqa: E731
+    assert kinds(0.0, 0.12, 8, steady) == ["WARNING"]
+    assert "12% of these CPUs' time (steal)" in doctor.host_verdicts(0.0, 0.12, 8, steady)[0][1]
+    assert kinds(0.0, 0.02, 8, steady) == ["NOTE"]
+    assert kinds(5.0, 0.0, 8, steady) == ["WARNING"]
+    assert "5.0 of the 8 CPUs busy" in doctor.host_verdicts(5.0, 0.0, 8, steady)[0][1]
+    assert kinds(1.5, 0.0, 8, steady) == ["NOTE"]
+    assert kinds(0.4, 0.0, 1, steady) == ["OK"]
+    # speed that varies: judged between the 10th and 90th percentiles, not by one outlier
+    varying = [2.0] * 5 + [4.0] * 5
+    assert kinds(0.0, 0.0, 8, varying) == ["NOTE"]
+    assert kinds(0.0, 0.0, 8, [2.0] * 19 + [9.0]) == ["OK"]
+
+
+def test_doctor_samples_the_host_and_checks_its_setting():
+    env = dict(os.environ, PYTHONPATH=PYDIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = lambda *a: subprocess.run([sys.executable, "-m", "ddpc.doctor", "--no-bench", *a],  # noqa: E731
+                                    capture_output=True, text=True, env=env, timeout=120)
+    r = run("--host-seconds", "0.3")
+    assert "== Host CPUs" in r.stdout, r.stdout + r.stderr
+    assert re.search(r"a fixed piece of Python, \d+ times in 0\.\d s: [\d.]+ ms fastest", r.stdout)
+    if os.path.exists("/proc/stat"):
+        assert re.search(r"other work kept \d+\.\d of \d+ CPUs busy, and the hypervisor took "
+                         r"[\d.]+% of their time \(steal\)", r.stdout), r.stdout
+    r = run("--host-seconds", "0")
+    assert "NOTE: skipped the host sample (--host-seconds 0)" in r.stdout, r.stdout
+    r = run("--host-seconds", "-1")
+    assert r.returncode == 2 and "--host-seconds must be between 0 and 600, got -1" in r.stderr
+
+
 def test_nccl_search_path_finds_wheels_on_sys_path(tmp_path, monkeypatch):
     lib = tmp_path / "nvidia" / "nccl" / "lib"
     lib.mkdir(parents=True)

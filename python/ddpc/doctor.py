@@ -2,8 +2,9 @@
 
 Prints the GPUs (index, name, PCI bus id, memory), the memory other processes hold on each, how
 CUDA_VISIBLE_DEVICES maps visible ordinals to physical GPUs, the driver, CUDA and NCCL versions,
-peer-to-peer access between GPU pairs, and a measured all-reduce bandwidth through ddpc's nccl
-backend. Each finding ends in a one-line verdict: ``OK:``, ``NOTE:``, ``WARNING:`` or ``PROBLEM:``.
+peer-to-peer access between GPU pairs, a measured all-reduce bandwidth through ddpc's nccl
+backend, and how steady the host's CPUs are (what other work and the hypervisor take from them,
+and how long a fixed piece of Python takes from one moment to the next). Each finding ends in a one-line verdict: ``OK:``, ``NOTE:``, ``WARNING:`` or ``PROBLEM:``.
 Works without torch (NVML through ctypes, or nvidia-smi); the bandwidth test needs torch for
 device memory. Exit status 1 when a PROBLEM was found, else 0.
 """
@@ -369,6 +370,136 @@ def check_build(rep: Report) -> None:
                             "(rebuild with the CUDA toolkit on PATH for the nccl backend)")
 
 
+# ------------------------------------------------------------------------- host CPUs
+
+
+@dataclass
+class CpuTimes:
+    """One line of /proc/stat, in clock ticks since boot."""
+
+    busy: int    # user, nice, system, irq, softirq
+    idle: int    # idle, iowait
+    steal: int   # time the hypervisor ran something else while this (virtual) CPU wanted to run
+
+
+def parse_proc_stat(text: str) -> Dict[str, CpuTimes]:
+    """The 'cpu' (all CPUs) and 'cpuN' lines of /proc/stat. Fields past those the kernel has
+    (steal came in 2.6.11) count as 0; guest time is already inside user and nice."""
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if not parts or not parts[0].startswith("cpu"):
+            continue
+        try:
+            v = [int(x) for x in parts[1:]] + [0] * 8
+        except ValueError:
+            continue
+        out[parts[0]] = CpuTimes(busy=v[0] + v[1] + v[2] + v[5] + v[6], idle=v[3] + v[4],
+                                 steal=v[7])
+    return out
+
+
+def host_load(before: CpuTimes, after: CpuTimes, own_ticks: float,
+              ncpus: int) -> Tuple[float, float]:
+    """(CPUs that work other than own_ticks kept busy on average, share of the CPUs' time that
+    the hypervisor stole) between two readings of the 'cpu' line."""
+    busy = after.busy - before.busy
+    steal = after.steal - before.steal
+    total = busy + (after.idle - before.idle) + steal
+    if total <= 0:
+        return 0.0, 0.0
+    others = max(0.0, busy - own_ticks) / total * ncpus
+    return others, steal / total
+
+
+def python_probe_ms() -> float:
+    """ms that a fixed piece of pure-Python work (the kind a training step's host side does:
+    calls, dicts, integers) takes on this thread now."""
+    t0 = time.perf_counter()
+    s, d = 0, {}
+    for i in range(20000):
+        s += i * 3 % 7
+        d[i & 255] = s
+    return (time.perf_counter() - t0) * 1e3
+
+
+def host_verdicts(others: float, steal: float, ncpus: int,
+                  probes: Sequence[float]) -> List[Tuple[str, str]]:
+    """The verdicts on a host sample: other work's CPUs, the hypervisor's share, the spread of
+    the probe's times."""
+    out = []
+    if steal >= 0.05:
+        out.append(("WARNING", f"the hypervisor took {steal:.0%} of these CPUs' time (steal): "
+                               f"this is a shared virtual machine, and a training step whose "
+                               f"host side is its bottleneck slows down and varies with it"))
+    elif steal >= 0.01:
+        out.append(("NOTE", f"the hypervisor took {steal:.1%} of these CPUs' time (steal)"))
+    if others >= max(1.0, 0.5 * ncpus):
+        out.append(("WARNING", f"other work kept {others:.1f} of the {ncpus} CPUs busy: the "
+                               f"ranks' Python competes with it (see top)"))
+    elif others >= 1.0:
+        out.append(("NOTE", f"other work kept {others:.1f} of the {ncpus} CPUs busy"))
+    if len(probes) >= 5:
+        # (the 10th and 90th percentiles: one run that a context switch cut in two is no verdict)
+        srt = sorted(probes)
+        p10, p90 = srt[len(srt) // 10], srt[(len(srt) * 9) // 10]
+        if p90 >= 1.5 * p10:
+            out.append(("NOTE", f"a fixed piece of Python took {p10:.2f} ms or less in a tenth "
+                                f"of its runs and {p90:.2f} ms or more in another tenth: this "
+                                f"host's CPU speed varies, and so will step times; compare "
+                                f"settings on one host, interleaved (as benchmarks/ddp_step.py "
+                                f"does)"))
+    if not out:
+        out.append(("OK", "the host's CPUs were steady, and free of other work"))
+    return out
+
+
+def check_host(rep: Report, seconds: float) -> None:
+    rep.section("Host CPUs")
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 1
+    online = os.cpu_count() or usable
+    rep.line(f"{usable} CPU(s) usable by this process, of {online} online "
+             f"({platform.machine()}{', ' + platform.processor() if platform.processor() else ''})")
+    if seconds <= 0:
+        rep.verdict("NOTE", "skipped the host sample (--host-seconds 0)")
+        return
+    try:
+        with open("/proc/stat") as f:
+            before = parse_proc_stat(f.read()).get("cpu")
+    except OSError as e:
+        before = None
+        why = str(e)
+    else:
+        why = "it has no 'cpu' line"
+    t0 = time.monotonic()
+    r0 = os.times()
+    probes = []
+    while time.monotonic() - t0 < seconds or len(probes) < 5:
+        probes.append(python_probe_ms())
+    r1 = os.times()
+    if before is None:
+        rep.verdict("NOTE", f"could not read /proc/stat ({why}): other work and steal not measured")
+        after = None
+    else:
+        with open("/proc/stat") as f:
+            after = parse_proc_stat(f.read()).get("cpu")
+    srt = sorted(probes)
+    rep.line(f"a fixed piece of Python, {len(probes)} times in {time.monotonic() - t0:.1f} s: "
+             f"{srt[0]:.2f} ms fastest, {srt[len(srt) // 2]:.2f} median, {srt[-1]:.2f} slowest")
+    others, steal = 0.0, 0.0
+    if before is not None and after is not None:
+        tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        own = ((r1.user - r0.user) + (r1.system - r0.system)) * tick
+        others, steal = host_load(before, after, own, online)
+        rep.line(f"meanwhile other work kept {others:.1f} of {online} CPUs busy, and the "
+                 f"hypervisor took {steal:.1%} of their time (steal)")
+    for kind, text in host_verdicts(others, steal, online, probes):
+        rep.verdict(kind, text)
+
+
 def check_driver(rep: Report) -> DriverInfo:
     rep.section("NVIDIA driver and GPUs")
     info = query_driver()
@@ -642,11 +773,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--bench-mib", type=int, default=64, help="all-reduce size in MiB (default 64)")
     ap.add_argument("--timeout", type=float, default=120.0,
                     help="seconds the bandwidth test may take (default 120)")
+    ap.add_argument("--host-seconds", type=float, default=1.0,
+                    help="seconds to sample the host's CPUs (default 1; 0 skips it)")
     args = ap.parse_args(argv)
     if args.bench_mib < 1:
         ap.error(f"--bench-mib must be >= 1, got {args.bench_mib}")
     if args.timeout <= 0:
         ap.error(f"--timeout must be positive, got {args.timeout}")
+    if not 0 <= args.host_seconds <= 600:
+        ap.error(f"--host-seconds must be between 0 and 600, got {args.host_seconds}")
 
     rep = Report()
     print("ddpc doctor")
@@ -664,6 +799,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     check_p2p(rep, visible, torch)
     if not args.no_bench:
         check_bandwidth(rep, visible, nccl, torch, args.bench_mib, args.timeout)
+    check_host(rep, args.host_seconds)
 
     rep.section("Summary")
     usable = _C.cuda_device_count() if _C.cuda_built() else 0
