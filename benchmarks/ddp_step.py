@@ -37,6 +37,9 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
+# (the host's steadiness, measured as `python -m ddpc.doctor` does: a fixed piece of Python run
+# right before each timed step, and /proc/stat around the timed steps)
+from ddpc.doctor import host_load, python_probe_ms, read_cpu_times  # noqa: E402
 
 MODELS = {
     # layers, width, heads, vocab, seq, batch per process
@@ -123,28 +126,6 @@ def current_cpu() -> int:
             return int(f.read().rsplit(")", 1)[1].split()[36])
     except (OSError, ValueError, IndexError):
         return -1
-
-
-def host_probe() -> float:
-    """ms that a fixed piece of pure-Python work takes on this thread now: run right before
-    each timed step, it says how fast the host ran that step's Python (on the shared VMs of
-    the GPU machines, the same work took 7-15 ms from one moment to the next on one vCPU)."""
-    t0 = time.perf_counter()
-    s, d = 0, {}
-    for i in range(20000):
-        s += i * 3 % 7
-        d[i & 255] = s
-    return (time.perf_counter() - t0) * 1e3
-
-
-def read_cpu_times():
-    """The 'cpu' line of /proc/stat (ddpc.doctor.CpuTimes), None where there is none."""
-    from ddpc.doctor import parse_proc_stat
-    try:
-        with open("/proc/stat") as f:
-            return parse_proc_stat(f.read()).get("cpu")
-    except OSError:
-        return None
 
 
 def mib_now(device: torch.device) -> float:
@@ -340,7 +321,7 @@ class Variant:
         before = self._alloc_counts() if timed else None
         self._module_ms = 0.0
         if timed and sync:
-            self.probes.append(host_probe())
+            self.probes.append(python_probe_ms())
         if not sync:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
                 logits = self.model(x)
@@ -681,7 +662,6 @@ def _worker(rank, args, ports, results):
     env = describe_env(device)
     if stat0 and stat1:
         # the whole machine during the timed steps (these processes' work included)
-        from ddpc.doctor import host_load
         busy, steal = host_load(stat0, stat1, 0.0, os.cpu_count() or 1)
         env["host during the timed steps"] = (f"{busy:.1f} of {os.cpu_count()} CPUs busy, "
                                               f"{steal:.1%} of CPU time stolen by the hypervisor")

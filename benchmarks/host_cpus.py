@@ -20,7 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from ddpc.doctor import host_load, parse_proc_stat, python_probe_ms  # noqa: E402
+from ddpc.doctor import host_load, python_probe_ms, read_cpu_times  # noqa: E402
 
 
 def _timed(cpu: int, reps: int, q, bar) -> None:
@@ -57,14 +57,6 @@ def measure(ctx, a: int, b, reps: int) -> float:
                 p.kill()
 
 
-def cpu_line():
-    try:
-        with open("/proc/stat") as f:
-            return parse_proc_stat(f.read()).get("cpu")
-    except OSError:
-        return None
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[0, 3],
@@ -79,7 +71,7 @@ def main() -> int:
     if args.repeats < 1 or args.reps < 1:
         ap.error("--repeats and --reps must be 1 or more")
     ctx = mp.get_context("fork")
-    t0, stat0 = time.monotonic(), cpu_line()
+    t0, stat0 = time.monotonic(), read_cpu_times()
     print(f"{len(mine)} CPUs; probe: {python_probe_ms():.2f} ms here; ratios: time with the CPU "
           f"of that column busy / time alone")
     print(" " * 32 + " ".join(f"{b:>4d}" for b in mine))
@@ -89,7 +81,7 @@ def main() -> int:
             cells = ["   -" if b == a else f"{measure(ctx, a, b, args.reps) / alone:4.2f}"
                      for b in mine]
             print(f"table {rep} cpu {a:3d} alone {alone:6.2f} ms " + " ".join(cells), flush=True)
-    stat1 = cpu_line()
+    stat1 = read_cpu_times()
     if stat0 and stat1:
         busy, steal = host_load(stat0, stat1, 0.0, os.cpu_count() or 1)
         print(f"over {time.monotonic() - t0:.0f} s: {busy:.1f} of {os.cpu_count()} CPUs busy on "

@@ -266,6 +266,11 @@ def test_parse_proc_stat_reads_busy_idle_and_steal():
     assert got["cpu1"] == doctor.CpuTimes(busy=61, idle=505, steal=15)
     # a kernel older than the steal field: it counts as none
     assert doctor.parse_proc_stat("cpu 1 2 3 4\n")["cpu"] == doctor.CpuTimes(6, 4, 0)
+    now = doctor.read_cpu_times()  # this machine's
+    if os.path.exists("/proc/stat"):
+        assert now.busy > 0 and now.idle >= 0 and now.steal >= 0
+    else:
+        assert now is None
 
 
 def test_host_load_separates_own_work_other_work_and_steal():

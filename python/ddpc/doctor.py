@@ -399,6 +399,15 @@ def parse_proc_stat(text: str) -> Dict[str, CpuTimes]:
     return out
 
 
+def read_cpu_times() -> Optional[CpuTimes]:
+    """The 'cpu' line (all CPUs) of /proc/stat now; None where there is none (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            return parse_proc_stat(f.read()).get("cpu")
+    except OSError:
+        return None
+
+
 def host_load(before: CpuTimes, after: CpuTimes, own_ticks: float,
               ncpus: int) -> Tuple[float, float]:
     """(CPUs that work other than own_ticks kept busy on average, share of the CPUs' time that
@@ -466,31 +475,22 @@ def check_host(rep: Report, seconds: float) -> None:
     if seconds <= 0:
         rep.verdict("NOTE", "skipped the host sample (--host-seconds 0)")
         return
-    try:
-        with open("/proc/stat") as f:
-            before = parse_proc_stat(f.read()).get("cpu")
-    except OSError as e:
-        before = None
-        why = str(e)
-    else:
-        why = "it has no 'cpu' line"
+    before = read_cpu_times()
     t0 = time.monotonic()
     r0 = os.times()
     probes = []
     while time.monotonic() - t0 < seconds or len(probes) < 5:
         probes.append(python_probe_ms())
     r1 = os.times()
-    if before is None:
-        rep.verdict("NOTE", f"could not read /proc/stat ({why}): other work and steal not measured")
-        after = None
-    else:
-        with open("/proc/stat") as f:
-            after = parse_proc_stat(f.read()).get("cpu")
+    after = read_cpu_times() if before is not None else None
     srt = sorted(probes)
     rep.line(f"a fixed piece of Python, {len(probes)} times in {time.monotonic() - t0:.1f} s: "
              f"{srt[0]:.2f} ms fastest, {srt[len(srt) // 2]:.2f} median, {srt[-1]:.2f} slowest")
     others, steal = 0.0, 0.0
-    if before is not None and after is not None:
+    if before is None or after is None:
+        rep.verdict("NOTE", "could not read the CPUs' times from /proc/stat: other work and "
+                            "steal were not measured")
+    else:
         tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         own = ((r1.user - r0.user) + (r1.system - r0.system)) * tick
         others, steal = host_load(before, after, own, online)
