@@ -196,7 +196,7 @@ class Variant:
         # involuntary context switches; and steps at whose end it ran on another CPU than at
         # their start (read outside the timed part)
         self.host_ev = [0, 0, 0, 0]
-        self.probes = []  # host_probe() before each synchronized timed step, ms
+        self.probes = []  # python_probe_ms() before each synchronized timed step
         self.mem = float("nan")
 
     def build(self, cfg, args, device, rank) -> None:

@@ -4,7 +4,8 @@ Prints the GPUs (index, name, PCI bus id, memory), the memory other processes ho
 CUDA_VISIBLE_DEVICES maps visible ordinals to physical GPUs, the driver, CUDA and NCCL versions,
 peer-to-peer access between GPU pairs, a measured all-reduce bandwidth through ddpc's nccl
 backend, and how steady the host's CPUs are (what other work and the hypervisor take from them,
-and how long a fixed piece of Python takes from one moment to the next). Each finding ends in a one-line verdict: ``OK:``, ``NOTE:``, ``WARNING:`` or ``PROBLEM:``.
+and how long a fixed piece of Python takes from one moment to the next). Each finding ends in a
+one-line verdict: ``OK:``, ``NOTE:``, ``WARNING:`` or ``PROBLEM:``.
 Works without torch (NVML through ctypes, or nvidia-smi); the bandwidth test needs torch for
 device memory. Exit status 1 when a PROBLEM was found, else 0.
 """
