@@ -8,8 +8,8 @@ holds. The hypervisor's steal time over the run (/proc/stat) is printed at the e
     python benchmarks/host_cpus.py [--rows 0 3] [--repeats 2] [--reps 9]
 
 On a machine of its own, every ratio is about 1.00, except for the CPU that shares a core with a
-(SMT). On the shared virtual machines of the GPU hosts (session 16), the same work took 7.2 to
-14.7 ms on one vCPU from one table to the next, and a second busy process made it up to 2x
+(SMT). On the shared virtual machines of the GPU hosts (session 16), the same work took 1.44 ms
+on one vCPU in one table and 2.44 ms in the next, and a second busy process made it up to 2x
 slower on some vCPUs and not at all on others, in a pattern that did not repeat: so two ranks'
 Python slows by an amount that the ranks cannot choose or predict.
 """
