@@ -15,6 +15,12 @@ issues rounds of steps back to back instead, as a training loop that does not wa
 --trace runs more steps of each ddpc variant under ddpc.comm_trace afterwards and prints each
 gradient bucket's collective on every rank.
 
+The host decides much of a synchronized GPU step, so the tables also say how the host was:
+"rounds p25-p75" is how far the paired ratio scattered from round to round (the run's own
+noise), "host probe ms" is how long a fixed piece of Python took right before each step (the
+slower rank's median: ddpc.doctor's probe), and the env line gives the machine's busy CPUs and
+hypervisor steal during the timed steps. --cpus "0-7;8-15" runs each rank on its own CPUs.
+
 On 2 H200s the gpt2 run takes about a minute: start and NCCL setup ~15 s, then 5 variants of
 3 warm-up + 30 timed steps of roughly 50-100 ms each.
 """
