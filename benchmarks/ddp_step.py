@@ -19,7 +19,9 @@ The host decides much of a synchronized GPU step, so the tables also say how the
 "rounds p25-p75" is how far the paired ratio scattered from round to round (the run's own
 noise), "host probe ms" is how long a fixed piece of Python took right before each step (the
 slower rank's median: ddpc.doctor's probe), and the env line gives the machine's busy CPUs and
-hypervisor steal during the timed steps. --cpus "0-7;8-15" runs each rank on its own CPUs.
+hypervisor steal during the timed steps; a last table gives the CPU time per step of rank 0's
+threads, by name (ddpc names its own: ddpc-poster, ddpc-watchdog, ddpc-store, ...).
+--cpus "0-7;8-15" runs each rank on its own CPUs.
 
 On 2 H200s the gpt2 run takes about a minute: start and NCCL setup ~15 s, then 5 variants of
 3 warm-up + 30 timed steps of roughly 50-100 ms each.
@@ -117,6 +119,33 @@ class GcTimer:
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)
 
 
+def threads_cpu_ns() -> dict:
+    """{thread name: CPU ns so far} over this process's threads, those of one name summed:
+    /proc/self/task/*/schedstat (ns), else the clock ticks of .../stat. Threads that ended are
+    not counted, so read it around steps, not across a thread's end."""
+    out = {}
+    tick_ns = 1e9 / os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    ns = int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                ns = int((int(fields[11]) + int(fields[12])) * tick_ns)
+        except (OSError, ValueError, IndexError):
+            continue  # (a thread that ended meanwhile)
+        out[name] = out.get(name, 0) + ns
+    return out
+
+
 def thread_usage() -> tuple:
     """This thread's (minor page faults, voluntary, involuntary context switches) so far."""
     if _RUSAGE_THREAD is None:
@@ -203,6 +232,7 @@ class Variant:
         # their start (read outside the timed part)
         self.host_ev = [0, 0, 0, 0]
         self.probes = []  # python_probe_ms() before each synchronized timed step
+        self.thread_ns = {}  # CPU ns of this process's threads in the timed steps, by name
         self.mem = float("nan")
 
     def build(self, cfg, args, device, rank) -> None:
@@ -328,6 +358,7 @@ class Variant:
         self._module_ms = 0.0
         if timed and sync:
             self.probes.append(python_probe_ms())
+            cpu_before = threads_cpu_ns()
         if not sync:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
                 logits = self.model(x)
@@ -384,6 +415,8 @@ class Variant:
             fwd = [b - a for a, b in zip(usage[0], usage[1])]
             cpu1 = current_cpu()
             self.host_ev = [t + d for t, d in zip(self.host_ev, fwd + [int(cpu0 != cpu1)])]
+            for name, ns in threads_cpu_ns().items():
+                self.thread_ns[name] = self.thread_ns.get(name, 0) + ns - cpu_before.get(name, 0)
         self._end_ev = None
         if not math.isfinite(loss.item()):
             raise RuntimeError(f"{self.name}: the loss is {loss.item()}")
@@ -636,6 +669,10 @@ def _worker(rank, args, ports, results):
     gathered = [None] * n
     tdist.all_gather_object(gathered, mine)
     rows, allocs, host_ev = [], {}, {}
+    # rank 0's threads, CPU ms per timed step, by name (the single-process variant's are rank 0's
+    # anyway)
+    threads = {v.name: {t: ns * 1e-6 / max(len(v.times), 1) for t, ns in v.thread_ns.items()}
+               for v in variants if v.thread_ns}
     for k, v in enumerate(variants):
         allocs[v.name] = (gathered[0][k][5] if v.single else
                           [max(g[k][5][j] for g in gathered) for j in range(3)])
@@ -671,7 +708,7 @@ def _worker(rank, args, ports, results):
         busy, steal = host_load(stat0, stat1, 0.0, os.cpu_count() or 1)
         env["host during the timed steps"] = (f"{busy:.1f} of {os.cpu_count()} CPUs busy, "
                                               f"{steal:.1%} of CPU time stolen by the hypervisor")
-    results.put((rank, "ok", (rows, env, wrapper_ms, traces, allocs, host_ev)))
+    results.put((rank, "ok", (rows, env, wrapper_ms, traces, allocs, host_ev, threads)))
     tdist.destroy_process_group()
     ddpc.destroy_process_group()
 
@@ -825,7 +862,7 @@ def main() -> int:
         if status != "ok":
             failed.append((rank, value))
         elif rank == 0:
-            rows, env, wrapper_ms, traces, allocs, host_ev = value
+            rows, env, wrapper_ms, traces, allocs, host_ev, threads = value
     for p in procs:
         p.join(timeout=30 if failed else None)
         if p.is_alive():
@@ -931,6 +968,20 @@ def main() -> int:
                                               "fwd_involuntary_cs", "cpu_changed",
                                               "host_probe_ms"],
                                              host_ev.get(r["variant"], [0, 0, 0, 0, 0])))
+    if threads:
+        # Which threads of rank 0's process used the CPU in a step, and how much: the ones that
+        # used the most in any variant (on a host whose vCPUs slow each other, a thread that
+        # spins takes speed from the one that launches the kernels).
+        total = {}
+        for per in threads.values():
+            for t, ms in per.items():
+                total[t] = max(total.get(t, 0.0), ms)
+        top = sorted(total, key=total.get, reverse=True)[:7]
+        print(f"{'CPU ms per step, rank 0 threads':{w}s} " + " ".join(f"{t[:15]:>15s}" for t in top))
+        for name, per in threads.items():
+            print(f"{name:{w}s} " + " ".join(f"{per.get(t, 0.0):15.2f}" for t in top))
+        for r in out_rows:
+            r["thread_cpu_ms_per_step"] = threads.get(r["variant"])
     for name, per_rank in traces:
         print_traces(name, per_rank)
     wall = time.monotonic() - t_start

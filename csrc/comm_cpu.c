@@ -1336,6 +1336,7 @@ static ddpc_status run_coll(CpuComm *c, DdpcWork *w) {
 
 static void *comm_main(void *arg) {
     CpuComm *c = arg;
+    ddpc_thread_name("ddpc-comm");
     for (;;) {
         pthread_mutex_lock(&c->mu);
         while (!c->head && !c->stop) pthread_cond_wait(&c->cv, &c->mu);

@@ -750,6 +750,7 @@ static void check_health(NcclImpl *im, HeadWatch *hw) {
 
 static void *watchdog_main(void *arg) {
     NcclImpl *im = arg;
+    ddpc_thread_name("ddpc-watchdog");
     cudaError_t e = cudaSetDevice(im->device);
     if (e != cudaSuccess) {
         char msg[512];
@@ -952,6 +953,7 @@ static void init_job_free(InitJob *j) {
 
 static void *init_main(void *arg) {
     InitJob *j = arg;
+    ddpc_thread_name("ddpc-nccl-init");
     ncclComm_t comm = NULL;
     ncclResult_t r = ncclSuccess;
     cudaError_t ce = cudaSetDevice(j->device);
@@ -1917,6 +1919,7 @@ static void post_deferred(NcclImpl *im, DdpcWork *w, int bound) {
 
 static void *poster_main(void *arg) {
     NcclImpl *im = arg;
+    ddpc_thread_name("ddpc-poster");
     cudaError_t e = cudaSetDevice(im->device);
     int bound = e == cudaSuccess;
     if (!bound) {

@@ -6,6 +6,9 @@
 #include <stdlib.h>
 #include <strings.h>
 #include <sys/syscall.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 #include <time.h>
 #include <unistd.h>
 
@@ -68,6 +71,17 @@ ddpc_status ddpc_check_interrupt(void) {
     if (tls_interruptible && g_hook && g_hook())
         return ddpc_error(DDPC_ERR_INTERRUPTED, "interrupted by a signal (KeyboardInterrupt)");
     return DDPC_OK;
+}
+
+void ddpc_thread_name(const char *name) {
+#ifdef __linux__
+    char buf[16];
+    snprintf(buf, sizeof buf, "%s", name);
+    if (prctl(PR_SET_NAME, (unsigned long)buf, 0, 0, 0) != 0)
+        DDPC_INFO("THREAD", "naming this thread '%s' failed: %s", buf, strerror(errno));
+#else
+    (void)name;
+#endif
 }
 
 uint64_t ddpc_now_ns(void) {

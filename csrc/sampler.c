@@ -121,6 +121,7 @@ static void queue_drain(TaskQueue *q) {
 }
 
 static void *queue_worker(void *arg) {
+    ddpc_thread_name("ddpc-sampler");
     queue_drain(arg);
     return NULL;
 }

@@ -778,6 +778,7 @@ static int server_poll_timeout(DdpcStoreServer *s, int64_t now) {
 
 static void *server_main(void *arg) {
     DdpcStoreServer *s = arg;
+    ddpc_thread_name("ddpc-store");
     struct pollfd *pfd = NULL;
     size_t pcap = 0;
     while (!atomic_load(&s->stop)) {

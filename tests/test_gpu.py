@@ -720,6 +720,26 @@ def test_comm_trace_times_real_collectives(world):
     _assert_no_failures(_run_ranks(_w_trace, world=world))
 
 
+def _w_thread_names(rank, world, ddpc, torch, results=None):
+    """The names of this process's threads while the nccl group is up (one all-reduce done)."""
+    x = torch.ones(4, device="cuda")
+    ddpc.all_reduce(x)
+    torch.cuda.synchronize()
+    return {"names": sorted(open(f"/proc/self/task/{t}/comm").read().strip()
+                            for t in os.listdir("/proc/self/task"))}
+
+
+@needs_1_torch
+def test_ddpc_threads_are_named_on_gpus():
+    """top -H, py-spy and gdb name ddpc's threads: the watchdog and the posting thread of the
+    NCCL backend, the store server on rank 0."""
+    got = _run_ranks(_w_thread_names, world=1)
+    assert "error" not in got[0], got[0].get("error")
+    names = got[0]["names"]
+    for name in ("ddpc-watchdog", "ddpc-poster", "ddpc-store"):
+        assert name in names, names
+
+
 @needs_2
 def test_each_rank_holds_memory_on_its_own_gpu():
     if not shutil.which("nvidia-smi"):

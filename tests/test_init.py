@@ -147,6 +147,33 @@ def test_bad_ddpc_timeout_variable(clean_env, monkeypatch, value):
     assert not ddpc.is_initialized()
 
 
+_THREAD_NAMES = """
+import os, sys, ddpc
+def names():
+    return sorted(open(f"/proc/self/task/{t}/comm").read().strip()
+                  for t in os.listdir("/proc/self/task"))
+ddpc.init_process_group(backend="cpu", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0,
+                        world_size=1)
+print("up", names())
+ddpc.destroy_process_group()
+print("down", names())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc/self/task")
+def test_ddpc_threads_are_named_and_joined(clean_env):
+    """ps -L, top -H, py-spy and gdb show ddpc's threads by name; destroy_process_group ends
+    them."""
+    import subprocess
+    r = subprocess.run([sys.executable, "-c", _THREAD_NAMES, str(free_port())],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    up = next(line for line in r.stdout.splitlines() if line.startswith("up "))
+    down = next(line for line in r.stdout.splitlines() if line.startswith("down "))
+    assert "'ddpc-comm'" in up and "'ddpc-store'" in up, up
+    assert "ddpc-" not in down, down
+
+
 def test_single_process_and_double_init(clean_env):
     import numpy as np
     ddpc.init_process_group(backend="cpu", rank=0, world_size=1)
