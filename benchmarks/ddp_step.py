@@ -197,7 +197,7 @@ ENV_VARS = ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO", "
             "NCCL_SHM_USE_CUDA_MEMCPY", "NCCL_SHM_MEMCPY_MODE", "CUDA_VISIBLE_DEVICES",
             "OMP_NUM_THREADS", "DDPC_NCCL_MIN_CTAS", "DDPC_NCCL_MAX_CTAS", "DDPC_TAIL_BUCKET_MB",
             "DDPC_STAGED_ALLREDUCE", "DDPC_STAGED_OVERLAP", "DDPC_NCCL_POST_THREAD",
-            "DDPC_EMBEDDING_ROWS")
+            "DDPC_EMBEDDING_ROWS", "DDPC_CAST_BACK")
 
 
 def describe_env(device: torch.device) -> dict:
@@ -587,6 +587,19 @@ def _worker(rank, args, ports, results):
         variants.append(Variant("ddpc bf16 casts on comm stream",
                                 lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16),
                                 env={"DDPC_COMM_CASTS": "1"}))
+    if args.early_cast_back:
+        # What casting each bf16 bucket back as soon as its all-reduce is done, on a stream of
+        # its own, saves the end of backward (DDPC_CAST_BACK=early, read when a reducer is
+        # made); with --embedding-rows also with rows on, whose end has no all-reduce of the
+        # tied table for the casts back to overlap.
+        variants.append(Variant("ddpc bf16 early cast back",
+                                lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16),
+                                env={"DDPC_CAST_BACK": "early"}))
+        if args.embedding_rows:
+            variants.append(Variant("ddpc bf16 rows on, early cast back",
+                                    lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16),
+                                    env={"DDPC_CAST_BACK": "early",
+                                         "DDPC_EMBEDDING_ROWS": "1"}))
     if args.bf16_via_bucket:
         # What casting fresh gradients straight to the wire saves: each copied into its bucket
         # slot first, as before it.
@@ -602,6 +615,10 @@ def _worker(rank, args, ports, results):
         # The default ddpc wrapper a second time: what two identical variants differ by in this
         # run is its noise, the floor under which a paired difference means nothing.
         variants += pair("ddpc (control)", "ddpc bf16 (control)")
+        if args.early_cast_back:
+            variants.append(Variant("ddpc bf16 early cast back (control)",
+                                    lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16),
+                                    env={"DDPC_CAST_BACK": "early"}))
     for tail in args.tail_mb:
         # What buckets of their own for the gradients that complete last save the end of
         # backward (DDPC_TAIL_BUCKET_MB, read as the reducer assigns the buckets), at the default
@@ -779,6 +796,10 @@ def main() -> int:
                     help="also run ddpc with bf16 gradients cast to and from the wire on the "
                          "communication stream around each all-reduce (DDPC_COMM_CASTS=1) "
                          "instead of on the caller's stream, back at the end of backward")
+    ap.add_argument("--early-cast-back", action="store_true",
+                    help="also run ddpc with bf16 gradients cast back as soon as each bucket's "
+                         "all-reduce is done, on a stream of their own (DDPC_CAST_BACK=early), "
+                         "instead of at the end of backward")
     ap.add_argument("--no-ddp-every-rank", action="store_true",
                     help="also time the model without DDP on every rank at once: what the ranks "
                          "cost each other on the host, with no communication")

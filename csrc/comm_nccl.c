@@ -2005,7 +2005,7 @@ static ddpc_status nccl_post(DdpcGroup *g, DdpcWork *w) {
     }
     /* Deferred: issued by the posting thread. Otherwise issued here, after the deferred posts
      * before it (the work in between may have filled this one's input). */
-    int defer = a->defer && im->poster_started && !a->before && !a->after && a->device >= 0;
+    int defer = a->defer && im->poster_started && !a->before && a->device >= 0;
     if (!defer) DDPC_CHECK(drain_posted(im, w, 0));
     int prev = -1;
     DDPC_CUDACHECK(cudaGetDevice(&prev));

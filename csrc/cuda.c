@@ -71,6 +71,13 @@ ddpc_status ddpc_device_stream_wait(uintptr_t waiter, uintptr_t signaler) {
     return ddpc_error(DDPC_ERR_UNAVAILABLE, "cannot order CUDA streams: " DDPC_NO_CUDA_HINT);
 }
 
+ddpc_status ddpc_device_stream_create(uintptr_t *out) {
+    *out = 0;
+    return ddpc_error(DDPC_ERR_UNAVAILABLE, "cannot make a CUDA stream: " DDPC_NO_CUDA_HINT);
+}
+
+void ddpc_device_stream_destroy(uintptr_t stream) { (void)stream; }
+
 ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
                              size_t n, float scale, uintptr_t stream) {
     (void)dst;

@@ -206,16 +206,18 @@ typedef struct DdpcCollArgs {
     int device;
     uintptr_t stream;
     /* Device work only, optional, each called with hook_ctx and the backend's communication
-     * stream on the posting thread, inside ddpc_group_post: `before` once that stream is ordered
-     * after the caller's, to queue work there that prepares the collective's input; `after` once
-     * the collective is queued there, to queue work that uses its result before the collective
-     * counts as done (waiting for the work covers it). A failure fails the post and aborts the
-     * group. (nccl: `before` on an all-reduce that takes the staged path makes it wait for the
-     * collectives before it, which it otherwise overlaps.) */
+     * stream, inside ddpc_group_post: `before` once that stream is ordered after the caller's,
+     * to queue work there that prepares the collective's input; `after` once the collective is
+     * queued there, to queue work that uses its result (there, or on a stream ordered after it)
+     * before the collective counts as done (waiting for the work covers the queueing). A failure
+     * fails the post and aborts the group. (nccl: `before` on an all-reduce that takes the staged
+     * path makes it wait for the collectives before it, which it otherwise overlaps.) The posts
+     * of a group call their hooks one at a time, in posting order. A deferred post (below) calls
+     * `after` on the backend's posting thread, outside any lock of the caller's. */
     ddpc_status (*before)(void *ctx, uintptr_t comm_stream);
     ddpc_status (*after)(void *ctx, uintptr_t comm_stream);
     void *hook_ctx;
-    /* Device work only, without before/after: the post only marks the caller's stream position
+    /* Device work only, without before: the post only marks the caller's stream position
      * and queues the collective; the backend issues it from its own thread, in posting order
      * (nccl: the posting thread, unless DDPC_NCCL_POST_THREAD=0). For a caller on the host path
      * that feeds the GPU (the reducer's buckets during backward): the library call that launches
@@ -437,6 +439,11 @@ ddpc_status ddpc_device_zero(void *ptr, size_t bytes, uintptr_t stream);
 /* Work queued on `waiter` from now on runs after the work queued on `signaler` so far (an event,
  * never a host sync); nothing when they are the same stream. */
 ddpc_status ddpc_device_stream_wait(uintptr_t waiter, uintptr_t signaler);
+/* A stream of ddpc's own on the current device: non-blocking, at the greatest priority (its
+ * work goes ahead of the caller's kernels when both are ready); *out is its cudaStream_t as an
+ * integer. ddpc_device_stream_destroy lets it go (work queued there still completes). */
+ddpc_status ddpc_device_stream_create(uintptr_t *out);
+void ddpc_device_stream_destroy(uintptr_t stream);
 /* dst[i] = (dst_dt)(src[i] * scale) for float32/float16/bfloat16/float64 pairs. */
 ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
                              size_t n, float scale, uintptr_t stream);

@@ -376,6 +376,22 @@ ddpc_status ddpc_device_stream_wait(uintptr_t waiter, uintptr_t signaler) {
     return DDPC_OK;
 }
 
+ddpc_status ddpc_device_stream_create(uintptr_t *out) {
+    *out = 0;
+    int least = 0, greatest = 0;
+    DDPC_CUDACHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    cudaStream_t s = nullptr;
+    DDPC_CUDACHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
+    *out = reinterpret_cast<uintptr_t>(s);
+    return DDPC_OK;
+}
+
+void ddpc_device_stream_destroy(uintptr_t stream) {
+    cudaError_t e = cudaStreamDestroy(reinterpret_cast<cudaStream_t>(stream));
+    if (e != cudaSuccess)
+        DDPC_INFO("CUDA", "cudaStreamDestroy failed: %s", cudaGetErrorString(e));
+}
+
 ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
                              size_t n, float scale, uintptr_t stream) {
     char what[64];

@@ -11,6 +11,7 @@
 #define SLOT_ALIGN_BYTES 16
 
 enum { DUE_CAST = 1, DUE_COPY = 2 };
+enum { UNWIRED_COMM = 1, UNWIRED_BACK = 2 };
 
 /* Gradients to be copied into a bucket wait for each other only while they hold this many bytes:
  * each keeps the tensor autograd made alive until then, and training on one GPU frees it at once.
@@ -35,8 +36,9 @@ typedef struct Bucket {
     size_t due_copy_bytes; /* of them, the bytes of those to be copied */
     uintptr_t due_stream; /* the stream those go on: the one their gradients came on */
     int launched;
-    int unwired;        /* the reduced values are cast back already (queued behind the
-                         * collective on the communication stream: see unwire_after) */
+    int unwired;        /* the reduced values are cast back already: UNWIRED_COMM (behind the
+                         * collective on the communication stream: see unwire_after) or
+                         * UNWIRED_BACK (on the reducer's cast-back stream: see unwire_early) */
     DdpcWork *work;     /* in flight between launch and the end of finalize */
     struct DdpcReducer *owner;
 } Bucket;
@@ -70,6 +72,9 @@ struct DdpcReducer {
                            * DDPC_NCCL_POST_THREAD=0 when the reducer is made: not) */
     int comm_casts;       /* DDPC_COMM_CASTS=1: device wire buckets cast on the communication
                            * stream (see wire_before); else on the caller's, back at finalize */
+    int early_back;       /* DDPC_CAST_BACK=early: device wire buckets cast back on back_stream
+                           * as soon as their collective is done (see unwire_early) */
+    uintptr_t back_stream; /* made by the first such cast back; 0 until then */
     int *seen;            /* parameters in the order they became ready */
     int nseen;
     /* the last finished step */
@@ -307,6 +312,17 @@ static ddpc_status comm_casts_mode(int *out) {
                       "each all-reduce) or 0/unset (the default)", v);
 }
 
+/* DDPC_CAST_BACK: unset, "" or "end" (the default), or "early". */
+static ddpc_status cast_back_mode(int *early) {
+    const char *v = getenv("DDPC_CAST_BACK");
+    *early = v && strcmp(v, "early") == 0;
+    if (!v || !v[0] || strcmp(v, "end") == 0 || *early) return DDPC_OK;
+    return ddpc_error(DDPC_ERR_INVALID, "DDPC_CAST_BACK=%s is not a setting: use early (bf16/fp16 "
+                      "buckets cast back to the gradients' dtype on a stream of their own as soon "
+                      "as each all-reduce is done) or end/unset (the default: at the end of "
+                      "backward, on the caller's stream)", v);
+}
+
 ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
                                 const ddpc_dtype *dtypes, const int *devices, const int *order,
                                 const uint8_t *late, size_t first_bucket_bytes,
@@ -329,6 +345,7 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
     const char *post_thread = getenv("DDPC_NCCL_POST_THREAD");
     r->defer = !(post_thread && strcmp(post_thread, "0") == 0);
     DDPC_CHECK_GOTO(comm_casts_mode(&r->comm_casts), st, fail);
+    DDPC_CHECK_GOTO(cast_back_mode(&r->early_back), st, fail);
     size_t tail_bytes = 0;
     DDPC_CHECK_GOTO(tail_bucket_bytes(&tail_bytes), st, fail);
     size_t n = (size_t)nparams;
@@ -413,6 +430,9 @@ static ddpc_status drain(DdpcReducer *r) {
 void ddpc_reducer_destroy(DdpcReducer *r) {
     if (!r) return;
     drain(r);
+    /* (the casts queued there are done: drain waited for every collective, which runs its
+     * `after` work before it counts as done) */
+    if (r->back_stream) ddpc_device_stream_destroy(r->back_stream);
     pthread_mutex_destroy(&r->mu);
     free_arrays(r);
 }
@@ -747,7 +767,31 @@ static ddpc_status wire_before(void *ctx, uintptr_t comm_stream) {
 static ddpc_status unwire_after(void *ctx, uintptr_t comm_stream) {
     Bucket *bk = ctx;
     DDPC_CHECK(unwire(bk->owner, bk, comm_stream));
-    bk->unwired = 1;
+    bk->unwired = UNWIRED_COMM;
+    return DDPC_OK;
+}
+
+/* With DDPC_CAST_BACK=early (off by default: no consistent gain in session 17's paired runs), a
+ * device wire bucket's reduced values go back (unwire) as soon as its collective is done, on a
+ * stream of the reducer's own (back_stream, made here the first time, on the communicator's
+ * device, which is current), so they overlap the rest of the backward rather than wait for
+ * finalize; finalize then orders the caller's stream after that stream. Off the communication
+ * stream, the casts do not hold up the collectives behind them.
+ *
+ * This runs inside the post, on the posting thread when the post is deferred, without r->mu:
+ * it reads only what the bucket's launch fixed (its buffers, and its parameters' direct flags,
+ * grad_at and offsets), which nothing changes until the collective is done (a second gradient
+ * for a launched bucket is refused before it changes anything, and prepare drains first). The
+ * posts of a group run their `after` one at a time, in posting order, so back_stream is made
+ * once; finalize reads it and `unwired` after waiting for the work, which was marked enqueued
+ * after this returned. */
+static ddpc_status unwire_early(void *ctx, uintptr_t comm_stream) {
+    Bucket *bk = ctx;
+    DdpcReducer *r = bk->owner;
+    if (!r->back_stream) DDPC_CHECK(ddpc_device_stream_create(&r->back_stream));
+    DDPC_CHECK(ddpc_device_stream_wait(r->back_stream, comm_stream));
+    DDPC_CHECK(unwire(r, bk, r->back_stream));
+    bk->unwired = UNWIRED_BACK;
     return DDPC_OK;
 }
 
@@ -772,11 +816,13 @@ static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
     if (st != DDPC_OK)
         return ddpc_error_prefix(st, "reducer: queueing gradient bucket %d's copies and casts "
                                  "(%zu x %s): ", b, bk->count, ddpc_dtype_name(bk->dtype));
+    int early = wire && bk->device >= 0 && r->early_back && !before;
     DdpcCollArgs a = {
         .op = DDPC_COLL_ALLREDUCE, .send = NULL, .recv = wire ? bk->comm_buf : bk->buf,
         .count = bk->count, .dtype = dt, .redop = DDPC_AVG, .root = 0, .device = bk->device,
         .stream = stream, .before = before ? wire_before : NULL,
-        .after = before ? unwire_after : NULL, .hook_ctx = bk, .defer = r->defer && !before,
+        .after = before ? unwire_after : early ? unwire_early : NULL, .hook_ctx = bk,
+        .defer = r->defer && !before,
     };
     st = ddpc_group_post(r->g, &a, &bk->work);
     if (st != DDPC_OK)
@@ -1022,6 +1068,7 @@ ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused)
             DDPC_CHECK_GOTO(zero_unready(r, &r->buckets[b], stream, &nunused), st, out);
     for (; r->next_launch < r->nbuckets; r->next_launch++)
         DDPC_CHECK_GOTO(launch(r, r->next_launch, stream), st, out);
+    int back = 0;
     for (int b = 0; b < r->nbuckets; b++) {
         Bucket *bk = &r->buckets[b];
         if (!bk->work) continue;
@@ -1032,8 +1079,13 @@ ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused)
         }
         if (bk->comm_dtype >= 0 && !bk->unwired && (st = unwire(r, bk, stream)) != DDPC_OK)
             goto out;
+        back |= bk->unwired == UNWIRED_BACK;
         ddpc_work_release(bk->work);
         bk->work = NULL;
+    }
+    if (back && (st = ddpc_device_stream_wait(stream, r->back_stream)) != DDPC_OK) {
+        ddpc_error_prefix(st, "reducer: ordering the caller's stream after the casts back: ");
+        goto out;
     }
     for (int i = 0; i < r->nparams; i++) {
         r->last_order[i] = i < r->nseen ? r->seen[i] : -1;

@@ -285,7 +285,7 @@ def _w_hold(rank: int, world: int, ddpc: Any, torch: Any, results: Any, go: Any)
 
 
 def _w_victim(rank: int, world: int, ddpc: Any, torch: Any, results: Any,
-              victim: int, numel: int = 1024, wrap: bool = False) -> Dict[str, Any]:
+              victim: int, numel: int = 1024, wrap: Any = False) -> Dict[str, Any]:
     """Rank `victim` dies by SIGKILL after the first all-reduce of `numel` floats; the survivor's
     next collective must raise ddpc.DistributedError well within the timeout, naming what
     happened. With 16M floats (64 MiB) and NCCL_P2P_DISABLE=1 that all-reduce takes the staged
@@ -302,7 +302,8 @@ def _w_victim(rank: int, world: int, ddpc: Any, torch: Any, results: Any,
     if wrap:
         torch.manual_seed(0)
         model = ddpc.wrap_model(torch.nn.Sequential(
-            *[torch.nn.Linear(512, 512) for _ in range(8)]).to(dev), bucket_cap_mb=1)
+            *[torch.nn.Linear(512, 512) for _ in range(8)]).to(dev), bucket_cap_mb=1,
+            grad_dtype=torch.bfloat16 if wrap == "bf16" else None)
     ddpc.barrier()
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -788,11 +789,14 @@ def test_killed_rank_makes_survivor_raise(victim):
 
 
 @needs_2
-def test_killed_rank_during_backward_makes_survivor_raise():
+@pytest.mark.parametrize("grads", ["float32", "bf16"])
+def test_killed_rank_during_backward_makes_survivor_raise(grads):
     """The buckets of a backward are issued by the posting thread: a dead peer still ends the
-    survivor's step with an error naming it, not a hang."""
+    survivor's step with an error naming it, not a hang, with float32 gradients and with bf16
+    ones (cast into wire buffers around each all-reduce)."""
     timeout = 60.0
-    res = _run_ranks(_w_victim, timeout=timeout, expect=[0], victim=1, wrap=True)
+    res = _run_ranks(_w_victim, timeout=timeout, expect=[0], victim=1,
+                     wrap="bf16" if grads == "bf16" else True)
     out = res[0]
     assert out["raised"], "rank 0 did not raise after rank 1 died"
     assert out["after"] < timeout / 2, out

@@ -882,6 +882,10 @@ def run_all(device_type: str, world: int = 2, wait: float = 240.0) -> Dict[int, 
     # The buckets issued by the thread that calls the hooks rather than the posting thread.
     pytest.param((2, {"DDPC_NCCL_POST_THREAD": "0"}), id="2gpu_inline_posts",
                  marks=pytest.mark.skipif(not _gpus_ready(2), reason="needs 2 visible GPUs")),
+    # bf16/fp16 buckets cast back on the reducer's own stream as each all-reduce ends, from the
+    # posting thread, rather than on the caller's stream at the end of backward.
+    pytest.param((2, {"DDPC_CAST_BACK": "early"}), id="2gpu_early_cast_back",
+                 marks=pytest.mark.skipif(not _gpus_ready(2), reason="needs 2 visible GPUs")),
 ])
 def runs(request) -> Dict[int, Dict[str, Any]]:
     world, env = request.param if isinstance(request.param, tuple) else (request.param, {})

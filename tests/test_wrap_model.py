@@ -1001,3 +1001,20 @@ def test_comm_casts_setting_is_checked(world_one, monkeypatch):
         monkeypatch.setenv("DDPC_COMM_CASTS", ok)
         m = world_one.wrap_model(torch.nn.Linear(3, 2))
         m(torch.randn(2, 3)).sum().backward()
+
+
+def test_cast_back_setting_is_checked(world_one, monkeypatch):
+    """DDPC_CAST_BACK takes early, end or nothing; anything else is refused by wrap_model with
+    the values it takes. On the CPU the setting changes nothing: there is no stream to cast on,
+    and the averaged gradient is the same."""
+    monkeypatch.setenv("DDPC_CAST_BACK", "soon")
+    with pytest.raises(ValueError, match=r"DDPC_CAST_BACK=soon is not a setting: use early .* or "
+                                         r"end/unset"):
+        world_one.wrap_model(torch.nn.Linear(3, 2))
+    for ok in ("early", "end", ""):
+        monkeypatch.setenv("DDPC_CAST_BACK", ok)
+        torch.manual_seed(0)
+        m = world_one.wrap_model(torch.nn.Linear(3, 2), grad_dtype=torch.bfloat16)
+        m(torch.ones(2, 3)).sum().backward()
+        assert torch.equal(m.module.weight.grad, torch.full((2, 3), 2.0))
+

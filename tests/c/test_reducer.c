@@ -131,9 +131,32 @@ ddpc_status ddpc_device_cast_many(int n, void *const *d, ddpc_dtype dd, const vo
     return n ? log_launch(st) : DDPC_OK;
 }
 
+/* The stream waits asked for, in order (waiter, signaler). */
+#define MAX_WAITS 64
+static uintptr_t g_waits[MAX_WAITS][2];
+static int g_nwaits;
+
 ddpc_status ddpc_device_stream_wait(uintptr_t waiter, uintptr_t signaler) {
-    (void)waiter; (void)signaler;
+    if (g_nwaits < MAX_WAITS) {
+        g_waits[g_nwaits][0] = waiter;
+        g_waits[g_nwaits][1] = signaler;
+        g_nwaits++;
+    }
     return DDPC_OK;
+}
+
+/* The reducer's own streams: each made is BACK_STREAM; how many were made and let go. */
+enum { BACK_STREAM = 77 };
+static int g_streams_made, g_streams_destroyed;
+
+ddpc_status ddpc_device_stream_create(uintptr_t *out) {
+    g_streams_made++;
+    *out = BACK_STREAM;
+    return DDPC_OK;
+}
+
+void ddpc_device_stream_destroy(uintptr_t stream) {
+    if (stream == BACK_STREAM) g_streams_destroyed++;
 }
 
 static void clear_log(void) {
@@ -685,6 +708,119 @@ static void test_device_casts_on_comm_stream(void) {
     g_staged_min = 0;
 }
 
+/* DDPC_CAST_BACK=early: a device bucket reduced in bfloat16 is cast into the wire on the
+ * caller's stream (as by default), and back as soon as its collective is queued, on the
+ * reducer's own stream (made once, behind the communication stream), so finalize queues no
+ * cast and orders the caller's stream after that one. A value that is no setting fails the
+ * reducer's creation. */
+static void test_device_cast_back_early(void) {
+    size_t numels[3] = {3, 5, 2};
+    ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
+    int devs[3] = {0, 0, 0};
+    int order[3] = {0, 1, 2};
+    enum { CALLER = 5 };
+    setenv("DDPC_CAST_BACK", "early", 1);
+    g_streams_made = g_streams_destroyed = 0;
+    DdpcReducer *r = NULL;
+    OK(ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 1000, 1000,
+                           DDPC_BFLOAT16, &r));
+    unsetenv("DDPC_CAST_BACK");
+    if (!r) return;
+    int b, direct = -1;
+    size_t off[3], count;
+    ddpc_dtype dt;
+    int dev;
+    OK(ddpc_reducer_bucket_info(r, 0, &dt, &dev, &count));
+    for (int i = 0; i < 3; i++) OK(ddpc_reducer_param_slot(r, i, &b, &off[i]));
+    uint16_t *wire = calloc(count, sizeof *wire);
+    float *mem = calloc(count, sizeof(float));
+    float g0[3] = {2, 2, 2}, g1[5] = {4, 4, 4, 4, 4};
+    OK(ddpc_reducer_set_bucket_memory(r, 0, mem));
+    OK(ddpc_reducer_set_bucket_wire(r, 0, wire));
+    for (int step = 0; step < 2; step++) {
+        OK(ddpc_reducer_prepare(r));
+        g_nlaunch = 0;
+        g_nwaits = 0;
+        g0[0] = 2;
+        g1[4] = 4;
+        OK(ddpc_reducer_mark_ready_grad(r, 0, g0, CALLER, &direct));
+        EXPECT(direct == 1, "direct %d", direct);
+        OK(ddpc_reducer_mark_ready_grad(r, 1, g1, CALLER, &direct));
+        for (int k = 0; k < 2; k++) mem[off[2] + k] = 8.0f;
+        OK(ddpc_reducer_mark_ready(r, 2, CALLER)); /* (in its slot) */
+        EXPECT(g_nlog == 1 && g_log[0]->args.after != NULL && g_log[0]->args.before == NULL &&
+                   g_log[0]->args.defer,
+               "step %d: %d collectives; a deferred post with only `after` expected", step,
+               g_nlog);
+        /* two casts into the wire on the caller's stream, two back on the reducer's */
+        int launches = g_nlaunch;
+        EXPECT(launches == 4 && g_launch_stream[0] == CALLER && g_launch_stream[1] == CALLER &&
+                   g_launch_stream[2] == BACK_STREAM && g_launch_stream[3] == BACK_STREAM,
+               "step %d: %d launches, on %lu %lu %lu %lu", step, launches,
+               (unsigned long)g_launch_stream[0], (unsigned long)g_launch_stream[1],
+               (unsigned long)g_launch_stream[2], (unsigned long)g_launch_stream[3]);
+        EXPECT(g0[0] == 1.5f && g1[4] == 2.5f && mem[off[2] + 1] == 4.5f,
+               "step %d: not cast back when the collective was queued: %g %g %g", step,
+               (double)g0[0], (double)g1[4], (double)mem[off[2] + 1]);
+        int back_after_comm = 0;
+        for (int k = 0; k < g_nwaits; k++)
+            back_after_comm += g_waits[k][0] == BACK_STREAM && g_waits[k][1] == COMM_STREAM;
+        EXPECT(back_after_comm == 1, "step %d: the cast-back stream waited for the "
+               "communication stream %d times", step, back_after_comm);
+        int waits = g_nwaits, unused = -1;
+        OK(ddpc_reducer_finalize(r, CALLER, &unused));
+        EXPECT(g_nlaunch == launches, "step %d: %d casts queued by finalize", step,
+               g_nlaunch - launches);
+        EXPECT(g_nwaits > waits && g_waits[g_nwaits - 1][0] == CALLER &&
+                   g_waits[g_nwaits - 1][1] == BACK_STREAM,
+               "step %d: finalize did not order the caller's stream after the casts back", step);
+        EXPECT(g0[0] == 1.5f && g1[4] == 2.5f && mem[off[2] + 1] == 4.5f,
+               "step %d: after finalize %g %g %g", step, (double)g0[0], (double)g1[4],
+               (double)mem[off[2] + 1]);
+        clear_log();
+    }
+    EXPECT(g_streams_made == 1, "%d streams made for two steps", g_streams_made);
+    ddpc_reducer_destroy(r);
+    EXPECT(g_streams_destroyed == 1, "%d streams let go", g_streams_destroyed);
+    free(mem);
+    free(wire);
+    /* a bucket on the host has no stream: cast back at finalize as before */
+    int host[1] = {-1};
+    setenv("DDPC_CAST_BACK", "early", 1);
+    OK(ddpc_reducer_create(&g_group, 1, numels, dts, host, order, NULL, 1000, 1000,
+                           DDPC_BFLOAT16, &r));
+    unsetenv("DDPC_CAST_BACK");
+    if (r) {
+        OK(ddpc_reducer_bucket_info(r, 0, &dt, &dev, &count));
+        wire = calloc(count, sizeof *wire);
+        mem = calloc(count, sizeof(float));
+        OK(ddpc_reducer_set_bucket_memory(r, 0, mem));
+        OK(ddpc_reducer_set_bucket_wire(r, 0, wire));
+        OK(ddpc_reducer_prepare(r));
+        for (int k = 0; k < 3; k++) mem[k] = 6.0f;
+        OK(ddpc_reducer_mark_ready(r, 0, 0));
+        int unused = -1;
+        OK(ddpc_reducer_finalize(r, 0, &unused));
+        EXPECT(g_nlog == 1 && g_log[0]->args.after == NULL && mem[0] == 3.5f,
+               "host bucket: %d collectives, after %s, slot %g", g_nlog,
+               g_nlog && g_log[0]->args.after ? "set" : "unset", (double)mem[0]);
+        clear_log();
+        ddpc_reducer_destroy(r);
+        free(mem);
+        free(wire);
+    }
+    EXPECT(g_streams_made == 1, "a host bucket made a stream");
+    setenv("DDPC_CAST_BACK", "now", 1);
+    DdpcReducer *bad = NULL;
+    ddpc_status st = ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 1000, 1000,
+                                         DDPC_BFLOAT16, &bad);
+    EXPECT(st == DDPC_ERR_INVALID && !bad && strstr(ddpc_last_error(), "DDPC_CAST_BACK=now") &&
+               strstr(ddpc_last_error(), "end/unset"),
+           "DDPC_CAST_BACK=now: %d %s", (int)st, ddpc_last_error());
+    if (bad) ddpc_reducer_destroy(bad);
+    unsetenv("DDPC_CAST_BACK");
+}
+
 static void test_bad_arguments(void) {
     size_t numels[2] = {4, 4};
     ddpc_dtype dts[2] = {DDPC_FLOAT32, DDPC_INT64};
@@ -781,6 +917,7 @@ int main(void) {
     unsetenv("DDPC_GRAD_BATCH"); /* the tests set it where they need it */
     unsetenv("DDPC_COMM_CASTS");
     unsetenv("DDPC_TAIL_BUCKET_MB");
+    unsetenv("DDPC_CAST_BACK");
     test_assignment_and_launch_order();
     test_tail_buckets();
     test_order_late_dtypes();
@@ -788,6 +925,7 @@ int main(void) {
     test_copy_batch_bound();
     test_mark_ready_grad_to_wire();
     test_device_casts_on_comm_stream();
+    test_device_cast_back_early();
     test_bad_arguments();
     clear_log();
     return check_summary("test_reducer");
