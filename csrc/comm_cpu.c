@@ -1506,6 +1506,7 @@ static ddpc_status cpu_init(DdpcGroup *g) {
         goto fail;
     }
     c->thread_started = 1;
+    ddpc_thread_name_other((unsigned long)c->thread, "ddpc-comm");
     g->impl = c;
     return DDPC_OK;
 fail:

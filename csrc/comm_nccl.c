@@ -1661,14 +1661,16 @@ static ddpc_status nccl_init(DdpcGroup *g) {
         goto fail;
     }
     im->watchdog_started = 1;
+    ddpc_thread_name_other((unsigned long)im->watchdog, "ddpc-watchdog");
     /* The reducer's bucket posts are issued from a thread of their own, off the host path that
      * launches the backward's kernels (DDPC_NCCL_POST_THREAD=0: on the caller's thread). */
     const char *pv = getenv("DDPC_NCCL_POST_THREAD");
     if (!pv || !pv[0] || env_truthy(pv)) {
         rc = pthread_create(&im->poster, NULL, poster_main, im);
-        if (rc == 0)
+        if (rc == 0) {
             im->poster_started = 1;
-        else
+            ddpc_thread_name_other((unsigned long)im->poster, "ddpc-poster");
+        } else
             DDPC_INFO("NCCL", "rank %d: no posting thread (%s): collectives are issued by their "
                       "callers", g->rank, strerror(rc));
     }

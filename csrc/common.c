@@ -84,6 +84,18 @@ void ddpc_thread_name(const char *name) {
 #endif
 }
 
+void ddpc_thread_name_other(unsigned long thread, const char *name) {
+#ifdef __linux__
+    char buf[16];
+    snprintf(buf, sizeof buf, "%s", name);
+    int rc = pthread_setname_np((pthread_t)thread, buf);
+    if (rc != 0) DDPC_INFO("THREAD", "naming thread '%s' failed: %s", buf, strerror(rc));
+#else
+    (void)thread;
+    (void)name;
+#endif
+}
+
 uint64_t ddpc_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -943,6 +943,7 @@ ddpc_status ddpc_store_server_start(const char *host, int port, const char *toke
         st = ddpc_error(DDPC_ERR_SYSTEM, "store server: pthread_create failed: %s", strerror(rc));
         goto fail;
     }
+    ddpc_thread_name_other((unsigned long)s->thread, "ddpc-store");
     DDPC_INFO("STORE", "serving the store on %s", s->where);
     *out = s;
     return DDPC_OK;

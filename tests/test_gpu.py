@@ -726,8 +726,14 @@ def _w_thread_names(rank, world, ddpc, torch, results=None):
     x = torch.ones(4, device="cuda")
     ddpc.all_reduce(x)
     torch.cuda.synchronize()
-    return {"names": sorted(open(f"/proc/self/task/{t}/comm").read().strip()
-                            for t in os.listdir("/proc/self/task"))}
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:
+            pass  # (a thread that ended since the listing)
+    return {"names": sorted(names)}
 
 
 @needs_1_torch
