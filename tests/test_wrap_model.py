@@ -990,30 +990,19 @@ def test_embedding_rows_setting_is_checked(world_one, monkeypatch):
     assert world_one.wrap_model(torch.nn.Embedding(5, 3))._routes == []
 
 
-def test_comm_casts_setting_is_checked(world_one, monkeypatch):
-    """DDPC_COMM_CASTS takes 0, 1 or nothing; anything else is refused by wrap_model with the
-    values it takes, instead of meaning off."""
-    monkeypatch.setenv("DDPC_COMM_CASTS", "yes")
-    with pytest.raises(ValueError, match=r"DDPC_COMM_CASTS=yes is not a setting: use 1 .* or "
-                                         r"0/unset"):
-        world_one.wrap_model(torch.nn.Linear(3, 2))
-    for ok in ("0", "1", ""):
-        monkeypatch.setenv("DDPC_COMM_CASTS", ok)
-        m = world_one.wrap_model(torch.nn.Linear(3, 2))
-        m(torch.randn(2, 3)).sum().backward()
-
-
-def test_cast_back_setting_is_checked(world_one, monkeypatch):
-    """DDPC_CAST_BACK takes early, end or nothing; anything else is refused by wrap_model with
-    the values it takes. On the CPU the setting changes nothing: there is no stream to cast on,
-    and the averaged gradient is the same."""
-    monkeypatch.setenv("DDPC_CAST_BACK", "soon")
-    with pytest.raises(ValueError, match=r"DDPC_CAST_BACK=soon is not a setting: use early .* or "
-                                         r"end/unset"):
-        world_one.wrap_model(torch.nn.Linear(3, 2))
-    for ok in ("early", "end", ""):
-        monkeypatch.setenv("DDPC_CAST_BACK", ok)
-        torch.manual_seed(0)
+@pytest.mark.parametrize("name,bad,takes,oks", [
+    ("DDPC_COMM_CASTS", "yes", r"use 1 .* or 0/unset", ("0", "1", "")),
+    ("DDPC_CAST_BACK", "soon", r"use early .* or end/unset", ("early", "end", "")),
+])
+def test_bf16_cast_settings_are_checked(world_one, monkeypatch, name, bad, takes, oks):
+    """DDPC_COMM_CASTS and DDPC_CAST_BACK (where a bf16 bucket's casts go): anything but their
+    values is refused by wrap_model with the values it takes, instead of meaning the default.
+    On the CPU they change nothing (there is no stream to cast on): the gradient is the same."""
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=f"{name}={bad} is not a setting: {takes}"):
+        world_one.wrap_model(torch.nn.Linear(3, 2), grad_dtype=torch.bfloat16)
+    for ok in oks:
+        monkeypatch.setenv(name, ok)
         m = world_one.wrap_model(torch.nn.Linear(3, 2), grad_dtype=torch.bfloat16)
         m(torch.ones(2, 3)).sum().backward()
         assert torch.equal(m.module.weight.grad, torch.full((2, 3), 2.0))

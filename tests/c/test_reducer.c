@@ -593,6 +593,44 @@ static void test_mark_ready_grad_to_wire(void) {
     free(wire);
 }
 
+/* One device bucket of three float32 parameters (3, 5 and 2 elements, offsets off[]) reduced
+ * in bfloat16, with its memory and wire buffer given: what the device-cast tests start from.
+ * 0 when the reducer could not be made (the failure is counted already). */
+typedef struct {
+    DdpcReducer *r;
+    size_t off[3];
+    uint16_t *wire;
+    float *mem;
+} Bf16Bucket;
+
+static int bf16_bucket(Bf16Bucket *w) {
+    size_t numels[3] = {3, 5, 2};
+    ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
+    int devs[3] = {0, 0, 0};
+    int order[3] = {0, 1, 2};
+    memset(w, 0, sizeof *w);
+    OK(ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 1000, 1000,
+                           DDPC_BFLOAT16, &w->r));
+    if (!w->r) return 0;
+    int b;
+    size_t count;
+    ddpc_dtype dt;
+    int dev;
+    OK(ddpc_reducer_bucket_info(w->r, 0, &dt, &dev, &count));
+    for (int i = 0; i < 3; i++) OK(ddpc_reducer_param_slot(w->r, i, &b, &w->off[i]));
+    w->wire = calloc(count, sizeof *w->wire);
+    w->mem = calloc(count, sizeof(float));
+    OK(ddpc_reducer_set_bucket_memory(w->r, 0, w->mem));
+    OK(ddpc_reducer_set_bucket_wire(w->r, 0, w->wire));
+    return 1;
+}
+
+static void bf16_bucket_free(Bf16Bucket *w) {
+    ddpc_reducer_destroy(w->r);
+    free(w->mem);
+    free(w->wire);
+}
+
 /* A device bucket reduced in bfloat16: its casts go on the communication stream, around its
  * collective: into the wire, and back into the gradients cast from where they lay and into its
  * slots, so finalize queues no cast. Around an all-reduce that takes the staged path, and with
@@ -612,21 +650,13 @@ static void test_device_casts_on_comm_stream(void) {
         else
             setenv("DDPC_COMM_CASTS", "1", 1);
         g_staged_min = mode == 1 ? 16 : 0;
-        DdpcReducer *r = NULL;
-        OK(ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 1000, 1000,
-                               DDPC_BFLOAT16, &r));
-        if (!r) continue;
-        int b, direct = -1;
-        size_t off[3], count;
-        ddpc_dtype dt;
-        int dev;
-        OK(ddpc_reducer_bucket_info(r, 0, &dt, &dev, &count));
-        for (int i = 0; i < 3; i++) OK(ddpc_reducer_param_slot(r, i, &b, &off[i]));
-        uint16_t *wire = calloc(count, sizeof *wire);
-        float *mem = calloc(count, sizeof(float));
+        Bf16Bucket w;
+        if (!bf16_bucket(&w)) continue;
+        DdpcReducer *r = w.r;
+        const size_t *off = w.off;
+        float *mem = w.mem;
+        int direct = -1;
         float g0[3] = {2, 2, 2}, g1[5] = {4, 4, 4, 4, 4};
-        OK(ddpc_reducer_set_bucket_memory(r, 0, mem));
-        OK(ddpc_reducer_set_bucket_wire(r, 0, wire));
         OK(ddpc_reducer_prepare(r));
         g_nlaunch = 0;
         OK(ddpc_reducer_mark_ready_grad(r, 0, g0, CALLER, &direct));
@@ -692,9 +722,7 @@ static void test_device_casts_on_comm_stream(void) {
         EXPECT(g_nlog == 0, "mode %d: %d collectives posted after a failed cast", mode, g_nlog);
         g_fail_stream = 0;
         clear_log();
-        ddpc_reducer_destroy(r);
-        free(mem);
-        free(wire);
+        bf16_bucket_free(&w);
     }
     setenv("DDPC_COMM_CASTS", "yes", 1);
     DdpcReducer *bad = NULL;
@@ -721,22 +749,15 @@ static void test_device_cast_back_early(void) {
     enum { CALLER = 5 };
     setenv("DDPC_CAST_BACK", "early", 1);
     g_streams_made = g_streams_destroyed = 0;
-    DdpcReducer *r = NULL;
-    OK(ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 1000, 1000,
-                           DDPC_BFLOAT16, &r));
+    Bf16Bucket w;
+    int made = bf16_bucket(&w);
     unsetenv("DDPC_CAST_BACK");
-    if (!r) return;
-    int b, direct = -1;
-    size_t off[3], count;
-    ddpc_dtype dt;
-    int dev;
-    OK(ddpc_reducer_bucket_info(r, 0, &dt, &dev, &count));
-    for (int i = 0; i < 3; i++) OK(ddpc_reducer_param_slot(r, i, &b, &off[i]));
-    uint16_t *wire = calloc(count, sizeof *wire);
-    float *mem = calloc(count, sizeof(float));
+    if (!made) return;
+    DdpcReducer *r = w.r;
+    const size_t *off = w.off;
+    float *mem = w.mem;
+    int direct = -1;
     float g0[3] = {2, 2, 2}, g1[5] = {4, 4, 4, 4, 4};
-    OK(ddpc_reducer_set_bucket_memory(r, 0, mem));
-    OK(ddpc_reducer_set_bucket_wire(r, 0, wire));
     for (int step = 0; step < 2; step++) {
         OK(ddpc_reducer_prepare(r));
         g_nlaunch = 0;
@@ -780,10 +801,8 @@ static void test_device_cast_back_early(void) {
         clear_log();
     }
     EXPECT(g_streams_made == 1, "%d streams made for two steps", g_streams_made);
-    ddpc_reducer_destroy(r);
+    bf16_bucket_free(&w);
     EXPECT(g_streams_destroyed == 1, "%d streams let go", g_streams_destroyed);
-    free(mem);
-    free(wire);
     /* a bucket on the host has no stream: cast back at finalize as before */
     int host[1] = {-1};
     setenv("DDPC_CAST_BACK", "early", 1);
@@ -791,8 +810,11 @@ static void test_device_cast_back_early(void) {
                            DDPC_BFLOAT16, &r));
     unsetenv("DDPC_CAST_BACK");
     if (r) {
+        ddpc_dtype dt;
+        int dev;
+        size_t count;
         OK(ddpc_reducer_bucket_info(r, 0, &dt, &dev, &count));
-        wire = calloc(count, sizeof *wire);
+        uint16_t *wire = calloc(count, sizeof *wire);
         mem = calloc(count, sizeof(float));
         OK(ddpc_reducer_set_bucket_memory(r, 0, mem));
         OK(ddpc_reducer_set_bucket_wire(r, 0, wire));
