@@ -1,7 +1,9 @@
-"""Process helpers shared by the multi-process tests: a free port on 127.0.0.1, and starting a
-set of processes and collecting their output without leaving any of them behind."""
+"""Process helpers shared by the multi-process tests: a free port on 127.0.0.1, starting a set
+of processes and collecting their output without leaving any of them behind, and the names of
+this process's threads."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -13,6 +15,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def thread_names() -> List[str]:
+    """The names of this process's threads (/proc/self/task/*/comm), sorted; a thread that ends
+    while they are read is left out."""
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:
+            pass
+    return sorted(names)
 
 
 def start(argv: Sequence[str], env: Mapping[str, str],

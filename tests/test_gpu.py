@@ -17,7 +17,7 @@ import pytest
 
 from ddpc import _C
 
-from _procs import free_port
+from _procs import free_port, thread_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, "tests", "c", "bin")
@@ -726,14 +726,7 @@ def _w_thread_names(rank, world, ddpc, torch, results=None):
     x = torch.ones(4, device="cuda")
     ddpc.all_reduce(x)
     torch.cuda.synchronize()
-    names = []
-    for t in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{t}/comm") as f:
-                names.append(f.read().strip())
-        except FileNotFoundError:
-            pass  # (a thread that ended since the listing)
-    return {"names": sorted(names)}
+    return {"names": thread_names()}
 
 
 @needs_1_torch

@@ -148,16 +148,10 @@ def test_bad_ddpc_timeout_variable(clean_env, monkeypatch, value):
 
 
 _THREAD_NAMES = """
-import os, sys, ddpc
-def names():
-    out = []
-    for t in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{t}/comm") as f:
-                out.append(f.read().strip())
-        except FileNotFoundError:
-            pass  # (a thread that ended since the listing: torch's, or the store's helpers)
-    return sorted(out)
+import sys
+sys.path.insert(0, sys.argv[2])
+import ddpc
+from _procs import thread_names as names
 ddpc.init_process_group(backend="cpu", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0,
                         world_size=1)
 print("up", names())
@@ -171,7 +165,8 @@ def test_ddpc_threads_are_named_and_joined(clean_env):
     """ps -L, top -H, py-spy and gdb show ddpc's threads by name; destroy_process_group ends
     them."""
     import subprocess
-    r = subprocess.run([sys.executable, "-c", _THREAD_NAMES, str(free_port())],
+    r = subprocess.run([sys.executable, "-c", _THREAD_NAMES, str(free_port()),
+                        os.path.dirname(os.path.abspath(__file__))],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     up = next(line for line in r.stdout.splitlines() if line.startswith("up "))

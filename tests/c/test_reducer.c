@@ -631,16 +631,31 @@ static void bf16_bucket_free(Bf16Bucket *w) {
     free(w->wire);
 }
 
+/* name=value makes reducer creation fail with DDPC_ERR_INVALID, naming it and `takes` (the
+ * values it takes); the variable is unset after. */
+static void expect_setting_refused(const char *name, const char *value, const char *takes) {
+    size_t numels[1] = {4};
+    ddpc_dtype dts[1] = {DDPC_FLOAT32};
+    int devs[1] = {0}, order[1] = {0};
+    char both[64];
+    snprintf(both, sizeof both, "%s=%s", name, value);
+    setenv(name, value, 1);
+    DdpcReducer *bad = NULL;
+    ddpc_status st = ddpc_reducer_create(&g_group, 1, numels, dts, devs, order, NULL, 1000, 1000,
+                                         DDPC_BFLOAT16, &bad);
+    EXPECT(st == DDPC_ERR_INVALID && !bad && strstr(ddpc_last_error(), both) &&
+               strstr(ddpc_last_error(), takes),
+           "%s: %d %s", both, (int)st, ddpc_last_error());
+    if (bad) ddpc_reducer_destroy(bad);
+    unsetenv(name);
+}
+
 /* A device bucket reduced in bfloat16: its casts go on the communication stream, around its
  * collective: into the wire, and back into the gradients cast from where they lay and into its
  * slots, so finalize queues no cast. Around an all-reduce that takes the staged path, and with
  * without DDPC_COMM_CASTS=1 (the default), all go on the caller's stream, and back at
  * finalize. A value that is no setting fails the reducer's creation. */
 static void test_device_casts_on_comm_stream(void) {
-    size_t numels[3] = {3, 5, 2};
-    ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
-    int devs[3] = {0, 0, 0};
-    int order[3] = {0, 1, 2};
     enum { CALLER = 5 };
     /* mode 0: on the communication stream; 1: that, but a staged-size bucket; 2: the default
      * (DDPC_COMM_CASTS unset) */
@@ -724,15 +739,7 @@ static void test_device_casts_on_comm_stream(void) {
         clear_log();
         bf16_bucket_free(&w);
     }
-    setenv("DDPC_COMM_CASTS", "yes", 1);
-    DdpcReducer *bad = NULL;
-    ddpc_status st = ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 1000, 1000,
-                                         DDPC_BFLOAT16, &bad);
-    EXPECT(st == DDPC_ERR_INVALID && !bad && strstr(ddpc_last_error(), "DDPC_COMM_CASTS=yes") &&
-               strstr(ddpc_last_error(), "0/unset"),
-           "DDPC_COMM_CASTS=yes: %d %s", (int)st, ddpc_last_error());
-    if (bad) ddpc_reducer_destroy(bad);
-    unsetenv("DDPC_COMM_CASTS");
+    expect_setting_refused("DDPC_COMM_CASTS", "yes", "0/unset");
     g_staged_min = 0;
 }
 
@@ -744,7 +751,6 @@ static void test_device_casts_on_comm_stream(void) {
 static void test_device_cast_back_early(void) {
     size_t numels[3] = {3, 5, 2};
     ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
-    int devs[3] = {0, 0, 0};
     int order[3] = {0, 1, 2};
     enum { CALLER = 5 };
     setenv("DDPC_CAST_BACK", "early", 1);
@@ -832,15 +838,7 @@ static void test_device_cast_back_early(void) {
         free(wire);
     }
     EXPECT(g_streams_made == 1, "a host bucket made a stream");
-    setenv("DDPC_CAST_BACK", "now", 1);
-    DdpcReducer *bad = NULL;
-    ddpc_status st = ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 1000, 1000,
-                                         DDPC_BFLOAT16, &bad);
-    EXPECT(st == DDPC_ERR_INVALID && !bad && strstr(ddpc_last_error(), "DDPC_CAST_BACK=now") &&
-               strstr(ddpc_last_error(), "end/unset"),
-           "DDPC_CAST_BACK=now: %d %s", (int)st, ddpc_last_error());
-    if (bad) ddpc_reducer_destroy(bad);
-    unsetenv("DDPC_CAST_BACK");
+    expect_setting_refused("DDPC_CAST_BACK", "now", "end/unset");
 }
 
 static void test_bad_arguments(void) {
