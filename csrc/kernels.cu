@@ -298,6 +298,9 @@ ddpc_status reduce_launch(void *dst, const Srcs &srcs, int nsrc, size_t n, int d
  * start[t] <= b < start[t + 1], elements [(b - start[t]) * kManyChunk, ... + kManyChunk). */
 constexpr int kMany = 24;
 constexpr size_t kManyChunk = 4096;
+/* Packs per thread on the vectorized path: a block's chunk in one round of loads. */
+constexpr int kManyPacks = (int)(kManyChunk / kVec / kBlock);
+static_assert(kManyChunk % ((size_t)kVec * kBlock) == 0, "a chunk is whole packs per thread");
 struct ManyArgs {
     void *dst[kMany];
     const void *src[kMany];
@@ -306,8 +309,14 @@ struct ManyArgs {
     int count;
 };
 
+/* An array whose source and destination are both aligned to a Pack (as torch's allocations and
+ * the reducer's slots are) moves as packs: each thread issues all its loads before its first
+ * store, so a block keeps kManyChunk elements in flight instead of kBlock, which a memory-bound
+ * cast needs to approach the GPU's bandwidth. Others go element by element. Either way each
+ * element gets the same cast_one, so the bits do not depend on the path. */
 template <typename Dst, typename Src>
-__global__ void cast_many_kernel(ManyArgs a) {
+__global__ void __launch_bounds__(kBlock) cast_many_kernel(ManyArgs a) {
+    using A = acc_t<Dst, Src>;
     unsigned b = blockIdx.x;
     int t = 0;
     while (t + 1 < a.count && a.start[t + 1] <= b) t++;
@@ -315,8 +324,35 @@ __global__ void cast_many_kernel(ManyArgs a) {
     size_t to = from + kManyChunk < a.n[t] ? from + kManyChunk : a.n[t];
     Dst *dst = static_cast<Dst *>(a.dst[t]);
     const Src *src = static_cast<const Src *>(a.src[t]);
+    if (reinterpret_cast<uintptr_t>(dst) % alignof(Pack<Dst>) == 0 &&
+        reinterpret_cast<uintptr_t>(src) % alignof(Pack<Src>) == 0) {
+        /* from is a multiple of kManyChunk, so of kVec: the chunk starts on a pack */
+        const Pack<Src> *in = reinterpret_cast<const Pack<Src> *>(src + from);
+        Pack<Dst> *out = reinterpret_cast<Pack<Dst> *>(dst + from);
+        size_t npack = (to - from) / kVec;
+        Pack<Src> v[kManyPacks];
+#pragma unroll
+        for (int k = 0; k < kManyPacks; k++) {
+            size_t i = threadIdx.x + (size_t)k * kBlock;
+            if (i < npack) v[k] = in[i];
+        }
+#pragma unroll
+        for (int k = 0; k < kManyPacks; k++) {
+            size_t i = threadIdx.x + (size_t)k * kBlock;
+            if (i < npack) {
+                Pack<Dst> o;
+#pragma unroll
+                for (int e = 0; e < kVec; e++) o.v[e] = cast_one<Dst, Src>(v[k].v[e], A(1));
+                out[i] = o;
+            }
+        }
+        /* the array's last n % kVec elements, in its last chunk */
+        size_t tail = from + npack * kVec + threadIdx.x;
+        if (tail < to) dst[tail] = cast_one<Dst, Src>(src[tail], A(1));
+        return;
+    }
     for (size_t i = from + threadIdx.x; i < to; i += blockDim.x)
-        dst[i] = cast_one<Dst, Src>(src[i], static_cast<acc_t<Dst, Src>>(1));
+        dst[i] = cast_one<Dst, Src>(src[i], A(1));
 }
 
 template <typename Dst, typename Src>
