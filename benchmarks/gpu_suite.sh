@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build, GPU tests, per-call latency, NCCL collectives, DDP step
+# One call on the GPU machine: build, GPU tests, per-call latency, the reducer's casts'
+# bandwidth, NCCL collectives, DDP step
 # benchmarks (NVLink, NCCL_P2P_DISABLE=1, and that with DDPC_STAGED_OVERLAP=0), doctor;
 # on a machine with one GPU, the 1-GPU tests, the wrappers' cost at one rank, the main job and
 # doctor. Each stage's log goes to $LOGS (/tmp/ddpc_gpu_logs) and is appended to
@@ -57,6 +58,7 @@ else
     TAIL=12 stage main_job 120 $PY -m ddpc.launch --nproc-per-node 1 examples/finetune.py
     stage latency 60 $PY benchmarks/latency.py --nproc 1 --iters 1000 --max-bytes 1048576
 fi
+stage casts 120 $PY benchmarks/cast_bandwidth.py
 TAIL=30 stage doctor 30 $PY -m ddpc.doctor
 if [ -n "${EXTRA:-}" ]; then
     stage extra "${EXTRA_SECS:-120}" bash -c "$EXTRA"
