@@ -1051,5 +1051,21 @@ def test_launcher_explains_a_real_cuda_oom(tmp_path, oom_device):
         assert "Data parallelism splits the batch" in summary, summary
 
 
+@needs_1
+def test_launcher_warns_about_a_forced_nccl_protocol_on_gpus(tmp_path):
+    script = tmp_path / "one.py"
+    script.write_text("import ddpc\nddpc.init_process_group()\nprint('backend', ddpc.get_backend())\n")
+    env = dict(os.environ, NCCL_PROTO="Simple")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.path.join(ROOT, "python"), env.get("PYTHONPATH")) if p)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    res = subprocess.run([sys.executable, "-m", "ddpc.launch", "--gpus", "0", str(script)],
+                         capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "backend nccl" in res.stdout, res.stdout
+    assert "ddpc.launch: warning: NCCL_PROTO=Simple limits the protocols NCCL may pick" in \
+        res.stderr, res.stderr[-3000:]
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v", "-m", "gpu"]))

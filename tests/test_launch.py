@@ -122,6 +122,29 @@ def test_env_vars_for_two_ranks(tmp_path):
     assert env_reports(out3)[0]["DDPC_TOKEN"] != r0["DDPC_TOKEN"]
 
 
+def test_settings_that_slow_gpu_training_are_warned_about_for_gpu_jobs_only(tmp_path):
+    from ddpc.launch import setting_warnings
+    env = {"NCCL_PROTO": "LL128", "CUDA_LAUNCH_BLOCKING": "1", "NCCL_NVLS_ENABLE": "0"}
+    got = setting_warnings(env, uses_gpus=True)
+    assert len(got) == 2, got
+    assert got[0].startswith("NCCL_PROTO=LL128 limits the protocols NCCL may pick"), got
+    assert got[1].startswith("CUDA_LAUNCH_BLOCKING=1"), got
+    assert all(w.endswith("(python -m ddpc.doctor lists every setting)") for w in got)
+    assert setting_warnings({"NCCL_NVLS_ENABLE": "0"}, uses_gpus=True) == []
+    assert setting_warnings(env, uses_gpus=False) == []
+    # which jobs count as GPU jobs: as many ranks with a GPU as there are GPUs to give
+    from ddpc.launch import plan_devices
+    assert plan_devices(None, 2, gpu_count=lambda: 2).gpus == 2
+    assert plan_devices(None, 3, gpu_count=lambda: 2).gpus == 2
+    assert plan_devices(None, 2, gpu_count=lambda: 0).gpus == 0
+    # a job on CPUs says nothing of NCCL's settings
+    write(tmp_path, "show_env.py", ENV_SCRIPT)
+    rc, out, err, _ = launch(["--nproc-per-node", "1", "show_env.py"], tmp_path,
+                             env=launcher_env(NCCL_PROTO="LL128", CUDA_VISIBLE_DEVICES=""))
+    assert rc == 0, err
+    assert "NCCL_PROTO" not in err, err
+
+
 def test_output_is_prefixed_per_rank_and_stream(tmp_path):
     write(tmp_path, "talk.py", """
         import os, sys, time

@@ -245,6 +245,46 @@ def test_parse_topo_reads_links_between_gpus():
     assert doctor.describe_link("SYS")[0] == "NOTE"
 
 
+def test_env_verdicts_name_the_settings_that_slow_training():
+    assert doctor.env_verdicts({}) == [
+        ("OK", "no NCCL_*, DDPC_* or CUDA_LAUNCH_BLOCKING settings: NCCL and ddpc choose for "
+               "themselves")]
+    # ddpc's own default (set when it is imported) is not the user's doing
+    assert doctor.env_verdicts({"NCCL_RUNTIME_CONNECT": "0", "PATH": "/bin"})[0][0] == "OK"
+    got = doctor.env_verdicts({
+        "NCCL_PROTO": "LL128", "NCCL_ALGO": "Tree", "NCCL_P2P_READ_ENABLE": "0",
+        "NCCL_P2P_DISABLE": "1", "CUDA_LAUNCH_BLOCKING": "1", "NCCL_DEBUG": "INFO",
+        "DDPC_CAST_BACK": "early", "NCCL_NVLS_ENABLE": "0", "NCCL_RUNTIME_CONNECT": "0"})
+    kinds = [k for k, _ in got]
+    assert kinds == ["WARNING"] * 5 + ["NOTE", "NOTE"], got
+    text = [t for _, t in got]
+    assert text[0].startswith("NCCL_PROTO=LL128 limits the protocols NCCL may pick") and \
+        "0.85 with LL128" in text[0] and "Unset it" in text[0], text[0]
+    assert text[1].startswith("NCCL_ALGO=Tree limits the algorithms") and "fails" in text[1]
+    assert text[2].startswith("NCCL_P2P_READ_ENABLE=0") and "0.88-0.89" in text[2]
+    assert text[3].startswith("NCCL_P2P_DISABLE=1: the GPUs exchange data through host memory")
+    assert text[4].startswith("CUDA_LAUNCH_BLOCKING=1: every kernel launch waits")
+    assert text[5].startswith("NCCL_DEBUG=INFO")
+    # the rest, sorted, without those already judged or ddpc's own default
+    assert text[6].endswith(": DDPC_CAST_BACK=early, NCCL_NVLS_ENABLE=0"), text[6]
+    # settings that turn nothing off are listed, not warned about
+    got = doctor.env_verdicts({"NCCL_P2P_DISABLE": "0", "CUDA_LAUNCH_BLOCKING": "0",
+                               "NCCL_P2P_READ_ENABLE": "1", "NCCL_DEBUG": "WARN"})
+    assert [k for k, _ in got] == ["NOTE"], got
+    assert got[0][1].endswith(": NCCL_DEBUG=WARN, NCCL_P2P_DISABLE=0, NCCL_P2P_READ_ENABLE=1")
+
+
+def test_doctor_warns_about_a_protocol_forced_in_the_environment():
+    env = dict(os.environ, PYTHONPATH=PYDIR + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               NCCL_PROTO="LL128")
+    r = subprocess.run([sys.executable, "-m", "ddpc.doctor", "--no-bench", "--host-seconds", "0"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    env_section = r.stdout.split("== Environment", 1)[1].split("\n== ", 1)[0]
+    assert "WARNING: NCCL_PROTO=LL128 limits the protocols NCCL may pick" in env_section, r.stdout
+    warnings = int(re.search(r"(\d+) warning\(s\)", r.stdout).group(1))
+    assert warnings >= 1, r.stdout
+
+
 def test_bus_ids_compare_across_sources():
     assert doctor.normalize_bus_id("00000000:1B:00.0") == "0000:1b:00.0"
     assert doctor.normalize_bus_id("0000:1b:00.0") == "0000:1b:00.0"

@@ -4,7 +4,8 @@ Prints the GPUs (index, name, PCI bus id, memory), the memory other processes ho
 CUDA_VISIBLE_DEVICES maps visible ordinals to physical GPUs, the driver, CUDA and NCCL versions,
 peer-to-peer access between GPU pairs, a measured all-reduce bandwidth through ddpc's nccl
 backend, and how steady the host's CPUs are (what other work and the hypervisor take from them,
-and how long a fixed piece of Python takes from one moment to the next). Each finding ends in a
+and how long a fixed piece of Python takes from one moment to the next), and the NCCL, CUDA and
+ddpc settings in the environment that change how they work. Each finding ends in a
 one-line verdict: ``OK:``, ``NOTE:``, ``WARNING:`` or ``PROBLEM:``.
 Works without torch (NVML through ctypes, or nvidia-smi); the bandwidth test needs torch for
 device memory. Exit status 1 when a PROBLEM was found, else 0.
@@ -369,6 +370,81 @@ def check_build(rep: Report) -> None:
     if not built:
         rep.verdict("NOTE", "this build has no CUDA support: only the cpu backend is available "
                             "(rebuild with the CUDA toolkit on PATH for the nccl backend)")
+
+
+# ------------------------------------------------------------------------- environment
+
+# Measured on 2 H200s (benchmarks/README.md, session 18, calls 1-3: GPT-2's step, paired scaling
+# efficiency, one host, each setting in its own run). With NCCL's own choices over NVLink ddpc
+# with bf16 gradients reached 0.94-0.96 and torch DDP 0.91.
+_MEASURED = "measured on 2 H200s (GPT-2's step, benchmarks/README.md, session 18)"
+_COSTS = {
+    "NCCL_PROTO": "ddpc with bf16 gradients scaled 0.85 with LL128 and 0.93-0.95 with Simple, "
+                  "torch DDP 0.77 and 0.87, against 0.94-0.96 and 0.91 with NCCL's own choice",
+    "NCCL_ALGO": "with NCCL_ALGO=Tree NCCL refused an all_gather of bytes, which it has no tree "
+                 "for: a collective that none of the listed algorithms can run fails",
+    "NCCL_P2P_READ_ENABLE": "ddpc with bf16 gradients scaled 0.88-0.89 with it and torch DDP 0.78, "
+                            "against 0.94-0.96 and 0.91 without",
+    "NCCL_P2P_DISABLE": "ddpc with bf16 gradients scaled 0.91 with it and torch DDP 0.64, against "
+                        "0.94-0.96 and 0.91 over NVLink",
+}
+
+
+def _truthy(value: str) -> bool:
+    return value.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def env_verdicts(environ: Dict[str, str]) -> List[Tuple[str, str]]:
+    """The verdicts on the settings in `environ` that change how NCCL, CUDA or ddpc work: those
+    that measurably slowed training here, one that serializes the GPU, and a list of the rest."""
+    out: List[Tuple[str, str]] = []
+    flagged = set()
+    for name, what in (("NCCL_PROTO", "protocols"), ("NCCL_ALGO", "algorithms")):
+        value = environ.get(name, "").strip()
+        if value:
+            flagged.add(name)
+            out.append(("WARNING", f"{name}={value} limits the {what} NCCL may pick; "
+                                   f"{_MEASURED}: {_COSTS[name]}. Unset it unless you measured "
+                                   f"a gain on this machine"))
+    if environ.get("NCCL_P2P_READ_ENABLE", "").strip() == "0":
+        flagged.add("NCCL_P2P_READ_ENABLE")
+        out.append(("WARNING", f"NCCL_P2P_READ_ENABLE=0 makes NCCL write into its peers instead "
+                               f"of reading from them; {_MEASURED}: "
+                               f"{_COSTS['NCCL_P2P_READ_ENABLE']}. Unset it"))
+    p2p_off = environ.get("NCCL_P2P_DISABLE", "").strip()
+    if _truthy(p2p_off):
+        flagged.add("NCCL_P2P_DISABLE")
+        out.append(("WARNING", f"NCCL_P2P_DISABLE={p2p_off}: the GPUs exchange data through host "
+                               f"memory; {_MEASURED}: {_COSTS['NCCL_P2P_DISABLE']}. Unset it "
+                               f"unless P2P is broken between these GPUs"))
+    blocking = environ.get("CUDA_LAUNCH_BLOCKING", "").strip()
+    if _truthy(blocking):
+        flagged.add("CUDA_LAUNCH_BLOCKING")
+        out.append(("WARNING", f"CUDA_LAUNCH_BLOCKING={blocking}: every kernel launch waits for "
+                               f"the kernel to finish, so gradients are no longer reduced while "
+                               f"the backward runs. Set it only to find which kernel failed"))
+    debug = environ.get("NCCL_DEBUG", "").strip()
+    if debug.upper() in ("INFO", "TRACE"):
+        flagged.add("NCCL_DEBUG")
+        out.append(("NOTE", f"NCCL_DEBUG={debug}: NCCL logs every communicator it sets up; "
+                            f"useful to find a problem, noisy in a training run"))
+    # (NCCL_RUNTIME_CONNECT=0 is ddpc's own default, set when it is imported: ddpc/distributed.py)
+    rest = sorted(f"{k}={v}" for k, v in environ.items()
+                  if k.startswith(("NCCL_", "DDPC_")) and k not in flagged
+                  and (k, v) != ("NCCL_RUNTIME_CONNECT", "0"))
+    if rest:
+        out.append(("NOTE", "also set (these tune NCCL or ddpc away from their defaults; "
+                            "README.md lists ddpc's): " + ", ".join(rest)))
+    if not out:
+        out.append(("OK", "no NCCL_*, DDPC_* or CUDA_LAUNCH_BLOCKING settings: NCCL and ddpc "
+                          "choose for themselves"))
+    return out
+
+
+def check_env(rep: Report, environ: Dict[str, str]) -> None:
+    rep.section("Environment")
+    for kind, text in env_verdicts(environ):
+        rep.verdict(kind, text)
 
 
 # ------------------------------------------------------------------------- host CPUs
@@ -784,9 +860,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not 0 <= args.host_seconds <= 600:
         ap.error(f"--host-seconds must be between 0 and 600, got {args.host_seconds}")
 
+    environ = dict(os.environ)  # before export_nccl_search_path adds to it
     rep = Report()
     print("ddpc doctor")
     check_build(rep)
+    check_env(rep, environ)
     info = check_driver(rep)
     torch = None
     if info.gpus:

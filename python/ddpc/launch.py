@@ -25,7 +25,7 @@ import time
 import uuid
 from typing import Any, Callable, Sequence
 
-from ddpc import _oom
+from ddpc import _oom, doctor
 from ddpc._worker import STACK_SIGNAL
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's default, so multi-node firewall rules carry over
@@ -148,6 +148,7 @@ class DevicePlan:
     cuda_visible_devices: str | None        # set for the workers when GPUs were chosen
     rank_gpus: list[GpuInfo | None]          # per local rank; None: unknown or no GPU
     notes: list[str]
+    gpus: int = 0                            # how many of the ranks have a GPU
 
 
 def plan_devices(gpus: str | None, nproc: int | None,
@@ -164,7 +165,7 @@ def plan_devices(gpus: str | None, nproc: int | None,
             notes.append(f"{n} ranks but {count} visible GPUs: local ranks {count}..{n - 1} "
                          f"have no GPU of their own")
         return DevicePlan(n, None, _visible_gpu_infos(min(count, n)) + [None] * (n - count),
-                          notes)
+                          notes, min(count, n))
     if gpus == "auto":
         try:
             physical = query_gpus()
@@ -181,7 +182,7 @@ def plan_devices(gpus: str | None, nproc: int | None,
                              f"{len(physical)} have no other processes ({busy}); stop those "
                              f"processes or pass the indices, e.g. --gpus 0,1")
         chosen = sorted(idle[:n], key=lambda g: g.index)
-        return DevicePlan(n, ",".join(str(g.index) for g in chosen), list(chosen), [])
+        return DevicePlan(n, ",".join(str(g.index) for g in chosen), list(chosen), [], n)
     indices = parse_gpu_list(gpus)
     if nproc is not None and nproc != len(indices):
         raise ValueError(f"{gpus} lists {len(indices)} GPU(s) but --nproc-per-node is {nproc}; "
@@ -201,7 +202,7 @@ def plan_devices(gpus: str | None, nproc: int | None,
         raise ValueError(f"GPU index {missing[0]} is not present on this machine "
                          f"(GPUs present: {present})")
     return DevicePlan(len(indices), ",".join(map(str, indices)),
-                      [by_index[i] for i in indices], [])
+                      [by_index[i] for i in indices], [], len(indices))
 
 
 def _visible_gpu_infos(n: int) -> list[GpuInfo | None]:
@@ -518,6 +519,16 @@ def signal_name(sig: int) -> str:
         return f"signal {sig}"
 
 
+def setting_warnings(environ: Any, uses_gpus: bool) -> list[str]:
+    """The doctor's warnings on settings in the environment that slowed GPU training here (a
+    forced NCCL protocol, P2P turned off, CUDA_LAUNCH_BLOCKING, ...): printed once at the start
+    of a job on GPUs, since every rank inherits them. None for a job on CPUs."""
+    if not uses_gpus:
+        return []
+    return [f"{text} (python -m ddpc.doctor lists every setting)"
+            for kind, text in doctor.env_verdicts(dict(environ)) if kind == "WARNING"]
+
+
 def describe_exit(rc: int) -> str:
     """'exit code 3', or 'signal SIGKILL (likely the out-of-memory killer: ...)'."""
     if rc >= 0:
@@ -705,6 +716,8 @@ class Launcher:
                      "avoid oversubscribing the CPU; set it yourself to tune")
         for note in cfg.plan.notes:
             self.say(f"ddpc.launch: note: {note}")
+        for warning in setting_warnings(os.environ, cfg.plan.gpus > 0):
+            self.say(f"ddpc.launch: warning: {warning}")
         for local, gpu in enumerate(cfg.plan.rank_gpus):
             if gpu is not None:
                 self.say(f"ddpc.launch: rank {cfg.node_rank * cfg.plan.nproc + local} -> "
