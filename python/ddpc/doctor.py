@@ -428,10 +428,11 @@ def env_verdicts(environ: Dict[str, str]) -> List[Tuple[str, str]]:
         flagged.add("NCCL_DEBUG")
         out.append(("NOTE", f"NCCL_DEBUG={debug}: NCCL logs every communicator it sets up; "
                             f"useful to find a problem, noisy in a training run"))
-    # (NCCL_RUNTIME_CONNECT=0 is ddpc's own default, set when it is imported: ddpc/distributed.py)
+    # (NCCL_RUNTIME_CONNECT=0 is ddpc's own default, set when it is imported: ddpc/distributed.py;
+    # NCCL_VERSION is a label NVIDIA's containers carry, which NCCL does not read)
     rest = sorted(f"{k}={v}" for k, v in environ.items()
                   if k.startswith(("NCCL_", "DDPC_")) and k not in flagged
-                  and (k, v) != ("NCCL_RUNTIME_CONNECT", "0"))
+                  and (k, v) != ("NCCL_RUNTIME_CONNECT", "0") and k != "NCCL_VERSION")
     if rest:
         out.append(("NOTE", "also set (these tune NCCL or ddpc away from their defaults; "
                             "README.md lists ddpc's): " + ", ".join(rest)))
