@@ -1025,17 +1025,23 @@ time.sleep(60)
 """
 
 
-@needs_2
-@pytest.mark.parametrize("oom_device", ["", "cuda:0"], ids=["own_gpu", "rank0_gpu"])
-def test_launcher_explains_a_real_cuda_oom(tmp_path, oom_device):
-    script = tmp_path / "oom.py"
-    script.write_text(REAL_OOM_SCRIPT)
-    env = dict(os.environ, OOM_RANK="1", OOM_DEVICE=oom_device)
+def _launch_on_gpus(tmp_path, text: str, gpus: str, **env_vars: str):
+    """Runs script `text` under `python -m ddpc.launch --gpus <gpus>` with this checkout's ddpc
+    and env_vars added to the environment; the completed process."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    env = dict(os.environ, **env_vars)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.path.join(ROOT, "python"), env.get("PYTHONPATH")) if p)
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    res = subprocess.run([sys.executable, "-m", "ddpc.launch", "--gpus", "0,1", str(script)],
-                         capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    return subprocess.run([sys.executable, "-m", "ddpc.launch", "--gpus", gpus, str(script)],
+                          capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+
+
+@needs_2
+@pytest.mark.parametrize("oom_device", ["", "cuda:0"], ids=["own_gpu", "rank0_gpu"])
+def test_launcher_explains_a_real_cuda_oom(tmp_path, oom_device):
+    res = _launch_on_gpus(tmp_path, REAL_OOM_SCRIPT, "0,1", OOM_RANK="1", OOM_DEVICE=oom_device)
     assert res.returncode == 1, res.stderr[-3000:]
     summary = " ".join(res.stderr[res.stderr.index("failed first"):].split())
     assert "rank 1 raised torch.OutOfMemoryError: CUDA out of memory" in summary, summary
@@ -1053,14 +1059,8 @@ def test_launcher_explains_a_real_cuda_oom(tmp_path, oom_device):
 
 @needs_1
 def test_launcher_warns_about_a_forced_nccl_protocol_on_gpus(tmp_path):
-    script = tmp_path / "one.py"
-    script.write_text("import ddpc\nddpc.init_process_group()\nprint('backend', ddpc.get_backend())\n")
-    env = dict(os.environ, NCCL_PROTO="Simple")
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (os.path.join(ROOT, "python"), env.get("PYTHONPATH")) if p)
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    res = subprocess.run([sys.executable, "-m", "ddpc.launch", "--gpus", "0", str(script)],
-                         capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    res = _launch_on_gpus(tmp_path, "import ddpc\nddpc.init_process_group()\n"
+                          "print('backend', ddpc.get_backend())\n", "0", NCCL_PROTO="Simple")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "backend nccl" in res.stdout, res.stdout
     assert "ddpc.launch: warning: NCCL_PROTO=Simple limits the protocols NCCL may pick" in \

@@ -397,37 +397,38 @@ def _truthy(value: str) -> bool:
 def env_verdicts(environ: Dict[str, str]) -> List[Tuple[str, str]]:
     """The verdicts on the settings in `environ` that change how NCCL, CUDA or ddpc work: those
     that measurably slowed training here, one that serializes the GPU, and a list of the rest."""
-    out: List[Tuple[str, str]] = []
-    flagged = set()
-    for name, what in (("NCCL_PROTO", "protocols"), ("NCCL_ALGO", "algorithms")):
-        value = environ.get(name, "").strip()
-        if value:
-            flagged.add(name)
-            out.append(("WARNING", f"{name}={value} limits the {what} NCCL may pick; "
-                                   f"{_MEASURED}: {_COSTS[name]}. Unset it unless you measured "
-                                   f"a gain on this machine"))
-    if environ.get("NCCL_P2P_READ_ENABLE", "").strip() == "0":
-        flagged.add("NCCL_P2P_READ_ENABLE")
-        out.append(("WARNING", f"NCCL_P2P_READ_ENABLE=0 makes NCCL write into its peers instead "
-                               f"of reading from them; {_MEASURED}: "
-                               f"{_COSTS['NCCL_P2P_READ_ENABLE']}. Unset it"))
-    p2p_off = environ.get("NCCL_P2P_DISABLE", "").strip()
-    if _truthy(p2p_off):
-        flagged.add("NCCL_P2P_DISABLE")
-        out.append(("WARNING", f"NCCL_P2P_DISABLE={p2p_off}: the GPUs exchange data through host "
-                               f"memory; {_MEASURED}: {_COSTS['NCCL_P2P_DISABLE']}. Unset it "
-                               f"unless P2P is broken between these GPUs"))
-    blocking = environ.get("CUDA_LAUNCH_BLOCKING", "").strip()
-    if _truthy(blocking):
-        flagged.add("CUDA_LAUNCH_BLOCKING")
-        out.append(("WARNING", f"CUDA_LAUNCH_BLOCKING={blocking}: every kernel launch waits for "
-                               f"the kernel to finish, so gradients are no longer reduced while "
-                               f"the backward runs. Set it only to find which kernel failed"))
-    debug = environ.get("NCCL_DEBUG", "").strip()
-    if debug.upper() in ("INFO", "TRACE"):
-        flagged.add("NCCL_DEBUG")
-        out.append(("NOTE", f"NCCL_DEBUG={debug}: NCCL logs every communicator it sets up; "
-                            f"useful to find a problem, noisy in a training run"))
+    def get(name: str) -> str:
+        return environ.get(name, "").strip()
+
+    def measured(name: str, advice: str) -> str:
+        return f"{_MEASURED}: {_COSTS[name]}. {advice}"
+
+    keep = "Unset it unless you measured a gain on this machine"
+    # (name, whether its value matters here, kind, text)
+    checks = [
+        ("NCCL_PROTO", bool(get("NCCL_PROTO")), "WARNING",
+         f"NCCL_PROTO={get('NCCL_PROTO')} limits the protocols NCCL may pick; "
+         + measured("NCCL_PROTO", keep)),
+        ("NCCL_ALGO", bool(get("NCCL_ALGO")), "WARNING",
+         f"NCCL_ALGO={get('NCCL_ALGO')} limits the algorithms NCCL may pick; "
+         + measured("NCCL_ALGO", keep)),
+        ("NCCL_P2P_READ_ENABLE", get("NCCL_P2P_READ_ENABLE") == "0", "WARNING",
+         "NCCL_P2P_READ_ENABLE=0 makes NCCL write into its peers instead of reading from them; "
+         + measured("NCCL_P2P_READ_ENABLE", "Unset it")),
+        ("NCCL_P2P_DISABLE", _truthy(get("NCCL_P2P_DISABLE")), "WARNING",
+         f"NCCL_P2P_DISABLE={get('NCCL_P2P_DISABLE')}: the GPUs exchange data through host "
+         f"memory; " + measured("NCCL_P2P_DISABLE", "Unset it unless P2P is broken between "
+                                                    "these GPUs")),
+        ("CUDA_LAUNCH_BLOCKING", _truthy(get("CUDA_LAUNCH_BLOCKING")), "WARNING",
+         f"CUDA_LAUNCH_BLOCKING={get('CUDA_LAUNCH_BLOCKING')}: every kernel launch waits for the "
+         f"kernel to finish, so gradients are no longer reduced while the backward runs. Set it "
+         f"only to find which kernel failed"),
+        ("NCCL_DEBUG", get("NCCL_DEBUG").upper() in ("INFO", "TRACE"), "NOTE",
+         f"NCCL_DEBUG={get('NCCL_DEBUG')}: NCCL logs every communicator it sets up; useful to "
+         f"find a problem, noisy in a training run"),
+    ]
+    out = [(kind, text) for _, on, kind, text in checks if on]
+    flagged = {name for name, on, _, _ in checks if on}
     # (NCCL_RUNTIME_CONNECT=0 is ddpc's own default, set when it is imported: ddpc/distributed.py;
     # NCCL_VERSION is a label NVIDIA's containers carry, which NCCL does not read)
     rest = sorted(f"{k}={v}" for k, v in environ.items()
