@@ -379,7 +379,7 @@ def check_build(rep: Report) -> None:
 # with bf16 gradients reached 0.94-0.96 and torch DDP 0.91.
 _MEASURED = "measured on 2 H200s (GPT-2's step, benchmarks/README.md, session 18)"
 _COSTS = {
-    "NCCL_PROTO": "ddpc with bf16 gradients scaled 0.85 with LL128 and 0.93-0.95 with Simple, "
+    "NCCL_PROTO": "ddpc with bf16 gradients scaled 0.85 with LL128 and 0.92-0.95 with Simple, "
                   "torch DDP 0.77 and 0.87, against 0.94-0.96 and 0.91 with NCCL's own choice",
     "NCCL_ALGO": "with NCCL_ALGO=Tree NCCL refused an all_gather of bytes, which it has no tree "
                  "for: a collective that none of the listed algorithms can run fails",
