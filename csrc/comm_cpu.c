@@ -1336,7 +1336,6 @@ static ddpc_status run_coll(CpuComm *c, DdpcWork *w) {
 
 static void *comm_main(void *arg) {
     CpuComm *c = arg;
-    ddpc_thread_name("ddpc-comm");
     for (;;) {
         pthread_mutex_lock(&c->mu);
         while (!c->head && !c->stop) pthread_cond_wait(&c->cv, &c->mu);
@@ -1498,7 +1497,7 @@ static ddpc_status cpu_init(DdpcGroup *g) {
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    rc = pthread_create(&c->thread, NULL, comm_main, c);
+    rc = ddpc_thread_start(&c->thread, comm_main, c, "ddpc-comm", 0);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (rc != 0) {
         st = ddpc_error(DDPC_ERR_SYSTEM, "pthread_create (communication thread) failed: %s",
@@ -1506,7 +1505,6 @@ static ddpc_status cpu_init(DdpcGroup *g) {
         goto fail;
     }
     c->thread_started = 1;
-    ddpc_thread_name_other((unsigned long)c->thread, "ddpc-comm");
     g->impl = c;
     return DDPC_OK;
 fail:

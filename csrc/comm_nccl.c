@@ -750,7 +750,6 @@ static void check_health(NcclImpl *im, HeadWatch *hw) {
 
 static void *watchdog_main(void *arg) {
     NcclImpl *im = arg;
-    ddpc_thread_name("ddpc-watchdog");
     cudaError_t e = cudaSetDevice(im->device);
     if (e != cudaSuccess) {
         char msg[512];
@@ -953,7 +952,6 @@ static void init_job_free(InitJob *j) {
 
 static void *init_main(void *arg) {
     InitJob *j = arg;
-    ddpc_thread_name("ddpc-nccl-init");
     ncclComm_t comm = NULL;
     ncclResult_t r = ncclSuccess;
     cudaError_t ce = cudaSetDevice(j->device);
@@ -1031,11 +1029,7 @@ static ddpc_status init_comm(DdpcGroup *g, const ncclUniqueId *id, int64_t deadl
     j->device = g->cuda_device;
     memcpy(&j->id, id, sizeof j->id);
     pthread_t th;
-    pthread_attr_t attr;
-    int rc = pthread_attr_init(&attr);
-    if (rc == 0) rc = pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    if (rc == 0) rc = pthread_create(&th, &attr, init_main, j);
-    pthread_attr_destroy(&attr);
+    int rc = ddpc_thread_start(&th, init_main, j, "ddpc-nccl-init", 1);
     if (rc != 0) {
         init_job_free(j);
         return ddpc_error(DDPC_ERR_SYSTEM, "starting the NCCL init thread failed: %s",
@@ -1654,23 +1648,21 @@ static ddpc_status nccl_init(DdpcGroup *g) {
     DDPC_CHECK_GOTO(fast_setup(im, deadline), st, fail);
     DDPC_CHECK_GOTO(staged_setup(im, deadline), st, fail);
 
-    int rc = pthread_create(&im->watchdog, NULL, watchdog_main, im);
+    int rc = ddpc_thread_start(&im->watchdog, watchdog_main, im, "ddpc-watchdog", 0);
     if (rc != 0) {
         st = ddpc_error(DDPC_ERR_SYSTEM, "starting the NCCL watchdog thread failed: %s",
                         strerror(rc));
         goto fail;
     }
     im->watchdog_started = 1;
-    ddpc_thread_name_other((unsigned long)im->watchdog, "ddpc-watchdog");
     /* The reducer's bucket posts are issued from a thread of their own, off the host path that
      * launches the backward's kernels (DDPC_NCCL_POST_THREAD=0: on the caller's thread). */
     const char *pv = getenv("DDPC_NCCL_POST_THREAD");
     if (!pv || !pv[0] || env_truthy(pv)) {
-        rc = pthread_create(&im->poster, NULL, poster_main, im);
-        if (rc == 0) {
+        rc = ddpc_thread_start(&im->poster, poster_main, im, "ddpc-poster", 0);
+        if (rc == 0)
             im->poster_started = 1;
-            ddpc_thread_name_other((unsigned long)im->poster, "ddpc-poster");
-        } else
+        else
             DDPC_INFO("NCCL", "rank %d: no posting thread (%s): collectives are issued by their "
                       "callers", g->rank, strerror(rc));
     }
@@ -1921,7 +1913,6 @@ static void post_deferred(NcclImpl *im, DdpcWork *w, int bound) {
 
 static void *poster_main(void *arg) {
     NcclImpl *im = arg;
-    ddpc_thread_name("ddpc-poster");
     cudaError_t e = cudaSetDevice(im->device);
     int bound = e == cudaSuccess;
     if (!bound) {

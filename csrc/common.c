@@ -6,9 +6,6 @@
 #include <stdlib.h>
 #include <strings.h>
 #include <sys/syscall.h>
-#ifdef __linux__
-#include <sys/prctl.h>
-#endif
 #include <time.h>
 #include <unistd.h>
 
@@ -73,27 +70,21 @@ ddpc_status ddpc_check_interrupt(void) {
     return DDPC_OK;
 }
 
-void ddpc_thread_name(const char *name) {
+int ddpc_thread_start(pthread_t *t, void *(*fn)(void *), void *arg, const char *name,
+                      int detached) {
+    int rc = pthread_create(t, NULL, fn, arg);
+    if (rc != 0) return rc;
 #ifdef __linux__
     char buf[16];
     snprintf(buf, sizeof buf, "%s", name);
-    if (prctl(PR_SET_NAME, (unsigned long)buf, 0, 0, 0) != 0)
-        DDPC_INFO("THREAD", "naming this thread '%s' failed: %s", buf, strerror(errno));
+    /* (still joinable here, so *t stays valid even if the thread has already returned) */
+    int nrc = pthread_setname_np(*t, buf);
+    if (nrc != 0) DDPC_INFO("THREAD", "naming thread '%s' failed: %s", buf, strerror(nrc));
 #else
     (void)name;
 #endif
-}
-
-void ddpc_thread_name_other(unsigned long thread, const char *name) {
-#ifdef __linux__
-    char buf[16];
-    snprintf(buf, sizeof buf, "%s", name);
-    int rc = pthread_setname_np((pthread_t)thread, buf);
-    if (rc != 0) DDPC_INFO("THREAD", "naming thread '%s' failed: %s", buf, strerror(rc));
-#else
-    (void)thread;
-    (void)name;
-#endif
+    if (detached) pthread_detach(*t);
+    return 0;
 }
 
 uint64_t ddpc_now_ns(void) {

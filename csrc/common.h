@@ -4,9 +4,17 @@
 #define DDPC_COMMON_H
 
 #include <errno.h>
+#include <pthread.h>
 #include <string.h>
 
 #include "ddpc.h"
+
+/* pthread_create(t, fn, arg), then names the new thread (at most 15 characters: "ddpc-watchdog"),
+ * as top -H, ps -L, gdb and py-spy show it, from here: the name is in place before the caller
+ * goes on. detached: the thread is detached after it is named (never joined). Returns
+ * pthread_create's result; naming is best effort (a failure is logged at DDPC_DEBUG=INFO). */
+int ddpc_thread_start(pthread_t *t, void *(*fn)(void *), void *arg, const char *name,
+                      int detached);
 
 /* Propagates a non-OK status (the message is already set). */
 #define DDPC_CHECK(call)                     \

@@ -51,13 +51,6 @@ void ddpc_thread_set_interruptible(int on);
 /* DDPC_OK, or DDPC_ERR_INTERRUPTED with the message set. */
 ddpc_status ddpc_check_interrupt(void);
 
-/* Names the calling thread (at most 15 characters: "ddpc-watchdog"), as top -H, ps -L, gdb and
- * py-spy show it. Best effort: a failure is logged at DDPC_DEBUG=INFO and changes nothing else. */
-void ddpc_thread_name(const char *name);
-/* The same for another thread of this process (a pthread_t, as an integer), from the thread that
- * made it: the name is in place before the caller goes on, not once the thread first runs. */
-void ddpc_thread_name_other(unsigned long thread, const char *name);
-
 /* Monotonic clock in nanoseconds / milliseconds. */
 uint64_t ddpc_now_ns(void);
 int64_t ddpc_now_ms(void);

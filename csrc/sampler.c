@@ -121,7 +121,6 @@ static void queue_drain(TaskQueue *q) {
 }
 
 static void *queue_worker(void *arg) {
-    ddpc_thread_name("ddpc-sampler");
     queue_drain(arg);
     return NULL;
 }
@@ -136,7 +135,7 @@ static ddpc_status run_tasks(int nthreads, uint64_t ntasks, task_fn fn, void *ct
     atomic_init(&q.next, 0);
     atomic_init(&q.stop, 0);
     while (started + 1 < nthreads && (uint64_t)started + 1 < ntasks) {
-        int rc = pthread_create(&tids[started], NULL, queue_worker, &q);
+        int rc = ddpc_thread_start(&tids[started], queue_worker, &q, "ddpc-sampler", 0);
         if (rc != 0) {
             DDPC_INFO("SAMPLER", "pthread_create failed: %s; continuing with %d threads",
                       strerror(rc), started + 1);

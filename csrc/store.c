@@ -778,7 +778,6 @@ static int server_poll_timeout(DdpcStoreServer *s, int64_t now) {
 
 static void *server_main(void *arg) {
     DdpcStoreServer *s = arg;
-    ddpc_thread_name("ddpc-store");
     struct pollfd *pfd = NULL;
     size_t pcap = 0;
     while (!atomic_load(&s->stop)) {
@@ -938,12 +937,11 @@ ddpc_status ddpc_store_server_start(const char *host, int port, const char *toke
         st = ddpc_error(DDPC_ERR_SYSTEM, "store server: pipe2 failed: %s", strerror(errno));
         goto fail;
     }
-    int rc = pthread_create(&s->thread, NULL, server_main, s);
+    int rc = ddpc_thread_start(&s->thread, server_main, s, "ddpc-store", 0);
     if (rc) {
         st = ddpc_error(DDPC_ERR_SYSTEM, "store server: pthread_create failed: %s", strerror(rc));
         goto fail;
     }
-    ddpc_thread_name_other((unsigned long)s->thread, "ddpc-store");
     DDPC_INFO("STORE", "serving the store on %s", s->where);
     *out = s;
     return DDPC_OK;
