@@ -17,6 +17,7 @@ import pytest
 
 from ddpc import _C
 
+import _cbuild
 from _procs import free_port, thread_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -813,33 +814,10 @@ def test_absent_rank_times_out_and_is_named():
 
 
 def _build_kernel_test() -> str:
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if not os.path.exists(nvcc) or cc is None:
-        pytest.skip("needs nvcc and a C compiler")
-    cuda_inc = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "include")
-    os.makedirs(BIN, exist_ok=True)
-    objs = []
-    for src in ("tests/c/test_kernels.c", "csrc/common.c", "csrc/reduce.c"):
-        obj = os.path.join(BIN, "k_" + os.path.basename(src) + ".o")
-        cmd = [cc, "-std=c11", "-D_GNU_SOURCE", "-O2", "-Wall", "-Wextra", "-Werror",
-               "-DDDPC_WITH_CUDA=1", "-I", os.path.join(ROOT, "csrc"), "-I", cuda_inc,
-               "-c", os.path.join(ROOT, src), "-o", obj]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
-        objs.append(obj)
-    archs = [a for a in os.environ.get("DDPC_CUDA_ARCHS", "80;90").split(";") if a]
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    obj = os.path.join(BIN, "k_kernels.cu.o")
-    cmd = [nvcc, "-std=c++17", "-O3", "-DDDPC_WITH_CUDA=1", "-I", os.path.join(ROOT, "csrc"),
-           *gencode, "-c", os.path.join(ROOT, "csrc", "kernels.cu"), "-o", obj]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
-    exe = os.path.join(BIN, "test_kernels")
-    cmd = [nvcc, *objs, obj, "-o", exe, "-lm"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
-    return exe
+    if _cbuild.find_toolchain() is None:
+        pytest.skip("needs nvcc, a C compiler and the CUDA headers")
+    return _cbuild.build_with_kernels(os.path.join(ROOT, "tests", "c", "test_kernels.c"), BIN,
+                                      os.environ.get("DDPC_CUDA_ARCHS", "80;90"), werror=True)
 
 
 @needs_1
