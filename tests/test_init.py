@@ -156,6 +156,12 @@ ddpc.init_process_group(backend="cpu", init_method="tcp://127.0.0.1:" + sys.argv
                         world_size=1)
 print("up", names())
 ddpc.destroy_process_group()
+# pthread_join returns once the thread has run its last line, a moment before the kernel removes
+# its /proc/self/task entry: give a joined thread that moment (a thread still running stays).
+import time
+deadline = time.monotonic() + 5.0
+while any(n.startswith("ddpc-") for n in names()) and time.monotonic() < deadline:
+    time.sleep(0.01)
 print("down", names())
 """
 
