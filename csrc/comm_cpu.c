@@ -27,8 +27,7 @@
  * ranks still read chunk j). Rank 0 may override it with DDPC_SHM_SLOT_BYTES (a tuning knob;
  * it publishes its choice in the segment so every rank agrees). */
 #define SHM_SLOT_DEFAULT (1u << 20)
-#define SHM_SLOT_MIN (64u << 10)
-#define SHM_SLOT_MAX (64u << 20)
+#define SHM_SLOT_MIN (64u << 10) /* DDPC_SHM_SLOT_BYTES takes 64 KiB to 64 MiB (settings.c) */
 #define SHM_MAGIC 0x6464706373686d31ull /* "ddpcshm1" */
 /* Elements reduced per call in the shm all_reduce: small enough that the result is still in L1
  * when it is copied into the caller's buffer. */
@@ -525,20 +524,13 @@ static size_t shm_header_bytes(int world) {
 
 /* 1 MiB per slot, less for large worlds so the segment stays within 64 MiB (docker's default
  * /dev/shm). DDPC_SHM_SLOT_BYTES overrides it (a tuning knob; rank 0's value wins). */
-static size_t shm_slot_bytes(int world) {
-    size_t slot = DDPC_MIN((size_t)SHM_SLOT_DEFAULT, ((size_t)64 << 20) / (2 * (size_t)world));
-    const char *v = getenv("DDPC_SHM_SLOT_BYTES");
-    if (v && *v) {
-        char *end;
-        unsigned long long n = strtoull(v, &end, 10);
-        if (*end || n < SHM_SLOT_MIN || n > SHM_SLOT_MAX)
-            DDPC_INFO("CPU", "ignoring DDPC_SHM_SLOT_BYTES=%s: must be in [%u, %u]", v,
-                      SHM_SLOT_MIN, SHM_SLOT_MAX);
-        else
-            slot = (size_t)n;
-    }
-    slot = DDPC_MAX(slot, (size_t)SHM_SLOT_MIN);
-    return (slot + 4095) / 4096 * 4096;
+static ddpc_status shm_slot_bytes(int world, size_t *out) {
+    size_t dflt = DDPC_MIN((size_t)SHM_SLOT_DEFAULT, ((size_t)64 << 20) / (2 * (size_t)world));
+    uint64_t slot;
+    DDPC_CHECK(ddpc_setting_uint("DDPC_SHM_SLOT_BYTES", dflt, &slot));
+    slot = DDPC_MAX(slot, (uint64_t)SHM_SLOT_MIN);
+    *out = ((size_t)slot + 4095) / 4096 * 4096;
+    return DDPC_OK;
 }
 
 static ddpc_status random_bytes(unsigned char *out, size_t n) {
@@ -573,7 +565,7 @@ static ddpc_status shm_map(CpuComm *c, int fd, const char *name) {
  * pages on first touch and SIGBUS when /dev/shm is full. */
 static ddpc_status shm_create(CpuComm *c, const char *name) {
     DdpcGroup *g = c->g;
-    c->slot = shm_slot_bytes(g->world);
+    DDPC_CHECK(shm_slot_bytes(g->world, &c->slot));
     c->map_len = shm_header_bytes(g->world) + (size_t)g->world * 2 * c->slot;
     int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
     if (fd == -1)

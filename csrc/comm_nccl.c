@@ -986,16 +986,12 @@ static void *init_main(void *arg) {
     return NULL;
 }
 
-/* Reads a CTA bound for the communicator from the environment: unset leaves it to NCCL. */
+/* Reads a CTA bound for the communicator from the environment (1 to 64): unset leaves it to
+ * NCCL. */
 static ddpc_status env_ctas(const char *name, int *out) {
-    const char *v = getenv(name);
-    if (!v || !v[0]) return DDPC_OK;
-    char *end = NULL;
-    errno = 0;
-    long n = strtol(v, &end, 10);
-    if (errno || *end || n < 1 || n > 64)
-        return ddpc_error(DDPC_ERR_INVALID, "%s=%s is not a number of CTAs from 1 to 64: set it "
-                          "to one (fewer CTAs leave more SMs to compute) or unset it", name, v);
+    uint64_t n;
+    DDPC_CHECK(ddpc_setting_uint(name, 0, &n));
+    if (n == 0) return DDPC_OK;
     if (g_code < 21700)
         return ddpc_error(DDPC_ERR_INVALID, "%s needs NCCL 2.17 or newer; this one is %s: unset "
                           "it or install a newer NCCL", name, g_version);
@@ -1183,9 +1179,6 @@ static ddpc_status fast_get(DdpcGroup *g, const char *key, int64_t deadline, voi
     }
 }
 
-/* An environment variable set to something other than "" or "0". */
-static int env_truthy(const char *v) { return v && v[0] && strcmp(v, "0"); }
-
 /* One rank's first-round vote for a path shared by the ranks of one host: a "no", or a host other
  * than this rank's, turns the path off for all (*all_ok = 0, why says the first reason). */
 static void vote_verdict(int ok, const char *host, const char *mine, int r, int *all_ok,
@@ -1226,22 +1219,23 @@ typedef struct {
 } FastVote;
 
 /* Every rank votes, so all take the same path: on only when all ranks share this host, may use
- * P2P (NCCL_P2P_DISABLE unset) and could map each other's regions. A "no" is not an error: the
+ * P2P (NCCL_P2P_DISABLE is not 1) and could map each other's regions. A "no" is not an error: the
  * small all-reduces then go through NCCL like the rest. Store failures are errors. */
 static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
     DdpcGroup *g = im->g;
     char key[256], why[256] = "";
-    const char *p2p = getenv("NCCL_P2P_DISABLE"), *env = getenv("DDPC_FAST_ALLREDUCE");
+    int wanted;
+    DDPC_CHECK(ddpc_setting_flag("DDPC_FAST_ALLREDUCE", 1, &wanted));
     FastVote mine;
     memset(&mine, 0, sizeof mine);
     ddpc_group_host_id(g, mine.host, sizeof mine.host);
     FastAr *f = calloc(1, sizeof *f);
     if (!f) return ddpc_error(DDPC_ERR_NOMEM, "out of host memory setting up the fast all-reduce");
     im->fast = f;
-    if (env && !strcmp(env, "0"))
-        snprintf(why, sizeof why, "DDPC_FAST_ALLREDUCE=0");
-    else if (env_truthy(p2p))
-        snprintf(why, sizeof why, "NCCL_P2P_DISABLE=%s", p2p);
+    if (!wanted)
+        snprintf(why, sizeof why, "DDPC_FAST_ALLREDUCE=%s", getenv("DDPC_FAST_ALLREDUCE"));
+    else if (ddpc_nccl_p2p_disabled())
+        snprintf(why, sizeof why, "NCCL_P2P_DISABLE=%s", getenv("NCCL_P2P_DISABLE"));
     else if (g->world < 2 || g->world > DDPC_FAST_MAX_RANKS)
         snprintf(why, sizeof why, "%d ranks (it takes 2 to %d)", g->world, DDPC_FAST_MAX_RANKS);
     if (!why[0]) {
@@ -1334,36 +1328,31 @@ typedef struct {
 } StagedVote;
 
 /* The copy-engine path (staged.h) for all-reduces of at least DDPC_STAGED_MIN_BYTES (1 MiB):
- * on when DDPC_STAGED_ALLREDUCE=1, or by default when NCCL_P2P_DISABLE is set, and every rank is
+ * on when DDPC_STAGED_ALLREDUCE=1, or by default when NCCL_P2P_DISABLE=1, and every rank is
  * on this host. Like fast_setup, every rank votes so all take the same path, and a "no" only
  * leaves the large all-reduces to NCCL. */
 static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
     DdpcGroup *g = im->g;
     char key[256], why[256] = "";
-    const char *env = getenv("DDPC_STAGED_ALLREDUCE"), *p2p = getenv("NCCL_P2P_DISABLE");
-    int wanted = env && env[0] ? env_truthy(env) : env_truthy(p2p);
+    int wanted, overlap;
+    DDPC_CHECK(ddpc_setting_flag("DDPC_STAGED_ALLREDUCE", ddpc_nccl_p2p_disabled(), &wanted));
+    DDPC_CHECK(ddpc_setting_flag("DDPC_STAGED_OVERLAP", 1, &overlap));
     if (g->world < 2) return DDPC_OK;
     StagedVote mine;
     memset(&mine, 0, sizeof mine);
     ddpc_group_host_id(g, mine.host, sizeof mine.host);
-    size_t chunk = ddpc_staged_chunk_bytes(g->world);
+    size_t chunk;
+    DDPC_CHECK(ddpc_staged_chunk_bytes(g->world, &chunk));
     mine.chunk_bytes = chunk;
-    size_t min_bytes = (size_t)1 << 20;
-    const char *mv = getenv("DDPC_STAGED_MIN_BYTES");
-    if (mv && *mv) {
-        char *end;
-        unsigned long long n = strtoull(mv, &end, 10);
-        if (*end)
-            DDPC_INFO("NCCL", "ignoring DDPC_STAGED_MIN_BYTES=%s: not a number of bytes", mv);
-        else
-            min_bytes = (size_t)n;
-    }
-    mine.min_bytes = DDPC_MAX(min_bytes, (size_t)1);
+    uint64_t min_bytes;
+    DDPC_CHECK(ddpc_setting_uint("DDPC_STAGED_MIN_BYTES", (uint64_t)1 << 20, &min_bytes));
+    mine.min_bytes = DDPC_MAX(min_bytes, (uint64_t)1);
     DdpcStaged *s = NULL;
     /* Every rank votes, also when it does not want the path: a rank whose environment differs
      * must not leave the others waiting for its vote. */
     if (!wanted) {
-        snprintf(why, sizeof why, "not wanted (NCCL_P2P_DISABLE and DDPC_STAGED_ALLREDUCE unset)");
+        snprintf(why, sizeof why,
+                 "not wanted (DDPC_STAGED_ALLREDUCE unset or 0, NCCL_P2P_DISABLE not 1)");
     } else if (g->world > DDPC_STAGED_MAX_RANKS) {
         snprintf(why, sizeof why, "%d ranks (it takes 2 to %d)", g->world, DDPC_STAGED_MAX_RANKS);
     } else if (g->rank == 0) {
@@ -1439,8 +1428,7 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
     im->staged_min_bytes = DDPC_MAX((size_t)zero.min_bytes, (size_t)1);
     /* Local: it changes which streams wait for what on this rank, not what any rank issues.
      * On unless DDPC_STAGED_OVERLAP=0. */
-    const char *ov = getenv("DDPC_STAGED_OVERLAP");
-    im->staged_overlap = !ov || !ov[0] || env_truthy(ov);
+    im->staged_overlap = overlap;
     g->staged_min_bytes = im->staged_min_bytes;
     DDPC_INFO("NCCL", "rank %d: all-reduces of %zu bytes or more go through pinned host memory on "
               "the copy engines (%zu-byte chunks)", g->rank, im->staged_min_bytes, chunk);
@@ -1657,8 +1645,9 @@ static ddpc_status nccl_init(DdpcGroup *g) {
     im->watchdog_started = 1;
     /* The reducer's bucket posts are issued from a thread of their own, off the host path that
      * launches the backward's kernels (DDPC_NCCL_POST_THREAD=0: on the caller's thread). */
-    const char *pv = getenv("DDPC_NCCL_POST_THREAD");
-    if (!pv || !pv[0] || env_truthy(pv)) {
+    int post_thread;
+    DDPC_CHECK_GOTO(ddpc_setting_flag("DDPC_NCCL_POST_THREAD", 1, &post_thread), st, fail);
+    if (post_thread) {
         rc = ddpc_thread_start(&im->poster, poster_main, im, "ddpc-poster", 0);
         if (rc == 0)
             im->poster_started = 1;

@@ -109,13 +109,19 @@ int64_t ddpc_slice(int64_t deadline_ms, int64_t slice_ms) {
 
 static int g_log_level = -1;
 
+int ddpc_log_level_parse(const char *v) {
+    if (!v[0] || !strcmp(v, "0") || !strcasecmp(v, "OFF")) return DDPC_LOG_NONE;
+    if (!strcmp(v, "1") || !strcasecmp(v, "INFO")) return DDPC_LOG_INFO;
+    if (!strcmp(v, "2") || !strcasecmp(v, "TRACE")) return DDPC_LOG_TRACE;
+    return -1;
+}
+
 int ddpc_log_level(void) {
     if (g_log_level < 0) {
         const char *v = getenv("DDPC_DEBUG");
-        int lvl = DDPC_LOG_NONE;
-        if (v && (!strcasecmp(v, "INFO") || !strcmp(v, "1"))) lvl = DDPC_LOG_INFO;
-        if (v && (!strcasecmp(v, "TRACE") || !strcmp(v, "2"))) lvl = DDPC_LOG_TRACE;
-        g_log_level = lvl;
+        int lvl = v ? ddpc_log_level_parse(v) : DDPC_LOG_NONE;
+        /* (a value that is not a level: none here; ddpc_settings_check refuses it) */
+        g_log_level = lvl < 0 ? DDPC_LOG_NONE : lvl;
     }
     return g_log_level;
 }

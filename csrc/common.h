@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "ddpc.h"
@@ -15,6 +16,11 @@
  * pthread_create's result; naming is best effort (a failure is logged at DDPC_DEBUG=INFO). */
 int ddpc_thread_start(pthread_t *t, void *(*fn)(void *), void *arg, const char *name,
                       int detached);
+
+/* A DDPC_DEBUG value: DDPC_LOG_NONE/INFO/TRACE, or -1 when it is not one. */
+int ddpc_log_level_parse(const char *v);
+
+#define DDPC_SAMPLER_MAX_THREADS 64
 
 /* Propagates a non-OK status (the message is already set). */
 #define DDPC_CHECK(call)                     \

@@ -512,6 +512,27 @@ size_t ddpc_rows_stride(size_t cap, size_t width, ddpc_dtype wire_dt);
  * step failed): buf must stay allocated until it is done. */
 ddpc_status ddpc_rows_exchange(DdpcGroup *g, const DdpcRowsExchange *x, DdpcWork **out);
 
+/* ---------------------------------------------------------------- settings */
+
+/* The DDPC_* environment settings (csrc/settings.c): every one ddpc reads is in its table, and
+ * every reader goes through these, so a value means the same everywhere and one that is not a
+ * setting is refused (DDPC_ERR_INVALID, with what it takes) instead of meaning the default.
+ * Unset or "" gives dflt. */
+ddpc_status ddpc_setting_flag(const char *name, int dflt, int *out);   /* 1/0, true/false, ... */
+ddpc_status ddpc_setting_uint(const char *name, uint64_t dflt, uint64_t *out); /* in its range */
+ddpc_status ddpc_setting_number(const char *name, double dflt, double *out);   /* in its range */
+ddpc_status ddpc_setting_choice(const char *name, int *out); /* index of its value; 0: default */
+/* Whether `value` (NULL or "": unset) is one for the setting `name`, whatever its kind. */
+ddpc_status ddpc_setting_check_value(const char *name, const char *value);
+/* Every setting's value in the environment: the first that is not one. */
+ddpc_status ddpc_settings_check(void);
+int ddpc_setting_count(void);
+const char *ddpc_setting_name(int i); /* NULL past the end */
+const char *ddpc_setting_about(int i);
+/* NCCL_P2P_DISABLE as NCCL reads it: 1 when P2P is off (the value 1; "true" leaves it on). */
+int ddpc_nccl_p2p_disabled(void);
+int ddpc_nccl_p2p_disabled_by(const char *value); /* the same for a value (NULL: unset) */
+
 #ifdef __cplusplus
 }
 #endif

@@ -37,6 +37,7 @@ ddpc_status ddpc_group_create(const DdpcGroupConfig *cfg, DdpcGroup **out) {
         return ddpc_error(DDPC_ERR_INVALID, "rank must be in [0, %d), got %d", cfg->world_size,
                           cfg->rank);
     if (!cfg->store) return ddpc_error(DDPC_ERR_INVALID, "a process group needs a store");
+    DDPC_CHECK(ddpc_settings_check());
     const DdpcBackendOps *ops = find_backend(cfg->backend);
     if (!ops)
         return ddpc_error(DDPC_ERR_INVALID, "unknown backend '%s': use 'cpu' or 'nccl'",

@@ -2033,6 +2033,61 @@ static PyObject *mod_nccl_version(PyObject *m, PyObject *unused) {
     return PyUnicode_FromString(ver);
 }
 
+/* The DDPC_* settings (csrc/settings.c): [(name, what it does)], every name ddpc reads. */
+static PyObject *mod_settings(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    int n = ddpc_setting_count();
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    for (int i = 0; i < n; i++) {
+        PyObject *t = Py_BuildValue("(ss)", ddpc_setting_name(i), ddpc_setting_about(i));
+        if (!t) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, t);
+    }
+    return out;
+}
+
+/* check_settings(): raises ValueError for the first DDPC_* setting in the environment whose
+ * value is not one. */
+static PyObject *mod_check_settings(PyObject *m, PyObject *unused) {
+    (void)unused;
+    ddpc_status st = ddpc_settings_check();
+    if (st != DDPC_OK) return raise_status(state_of_module(m), st);
+    Py_RETURN_NONE;
+}
+
+/* check_setting(name, value): raises ValueError when value is not one for that setting, or when
+ * ddpc has no such setting. */
+static PyObject *mod_check_setting(PyObject *m, PyObject *args) {
+    const char *name, *value;
+    if (!PyArg_ParseTuple(args, "ss", &name, &value)) return NULL;
+    ddpc_status st = ddpc_setting_check_value(name, value);
+    if (st != DDPC_OK) return raise_status(state_of_module(m), st);
+    Py_RETURN_NONE;
+}
+
+/* setting_flag(name, default) -> bool: a 1/0 setting as the C core reads it. */
+static PyObject *mod_setting_flag(PyObject *m, PyObject *args) {
+    const char *name;
+    int dflt, on;
+    if (!PyArg_ParseTuple(args, "sp", &name, &dflt)) return NULL;
+    ddpc_status st = ddpc_setting_flag(name, dflt, &on);
+    if (st != DDPC_OK) return raise_status(state_of_module(m), st);
+    return PyBool_FromLong(on);
+}
+
+static PyObject *mod_nccl_p2p_disabled(PyObject *m, PyObject *args) {
+    (void)m;
+    const char *value = NULL;
+    if (!PyArg_ParseTuple(args, "|z", &value)) return NULL;
+    return PyBool_FromLong(PyTuple_GET_SIZE(args) ? ddpc_nccl_p2p_disabled_by(value)
+                                                  : ddpc_nccl_p2p_disabled());
+}
+
 static int dtype_arg(int code, const char *what) {
     if (code < 0 || code >= DDPC_NUM_DTYPES) {
         PyErr_Format(PyExc_ValueError, "%s: dtype code %d is not one of ddpc's (0..%d)", what, code,
@@ -2196,6 +2251,19 @@ static PyMethodDef module_methods[] = {
     {"nccl_version", mod_nccl_version, METH_NOARGS,
      "load NCCL (dlopen) and return its version; raises when it cannot be found"},
     {"dtype_size", mod_dtype_size, METH_VARARGS, "bytes per element of a dtype code"},
+    {"settings", mod_settings, METH_NOARGS,
+     "settings() -> [(name, what it does)]: every DDPC_* environment setting ddpc reads"},
+    {"check_settings", mod_check_settings, METH_NOARGS,
+     "check_settings(): raises ValueError naming the first DDPC_* setting in the environment "
+     "whose value is not one, and what it takes"},
+    {"check_setting", mod_check_setting, METH_VARARGS,
+     "check_setting(name, value): raises ValueError when value is not one for that DDPC_* "
+     "setting (or ddpc has no such setting), saying what it takes"},
+    {"setting_flag", mod_setting_flag, METH_VARARGS,
+     "setting_flag(name, default) -> bool: a 1/0 DDPC_* setting as the C core reads it"},
+    {"nccl_p2p_disabled", mod_nccl_p2p_disabled, METH_VARARGS,
+     "nccl_p2p_disabled([value]) -> bool: whether NCCL_P2P_DISABLE (or that value of it) turns "
+     "P2P off as NCCL reads it (the number 1)"},
     {"device_rows_accumulate", mod_device_rows_accumulate, METH_VARARGS,
      "device_rows_accumulate(grad, grad_dtype, num_rows, width, sorted_ids, perm, n, rows, "
      "rows_dtype, skip, scale, stream): grad[id] += scale * rows of each run of equal ids"},

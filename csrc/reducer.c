@@ -290,37 +290,10 @@ static void free_arrays(DdpcReducer *r) {
 /* DDPC_TAIL_BUCKET_MB (off when unset or 0; for comparisons): the size of the buckets of the
  * gradients that complete last (mark_tail), in MiB. */
 static ddpc_status tail_bucket_bytes(size_t *out) {
-    *out = 0;
-    const char *v = getenv("DDPC_TAIL_BUCKET_MB");
-    if (!v || !*v) return DDPC_OK;
-    char *end = NULL;
-    double mb = strtod(v, &end);
-    if (end == v || *end || !(mb >= 0) || mb > 1e9)
-        return ddpc_error(DDPC_ERR_INVALID, "DDPC_TAIL_BUCKET_MB=%s: expected a number of MiB >= 0 "
-                          "(0 or unset: no tail buckets)", v);
+    double mb;
+    DDPC_CHECK(ddpc_setting_number("DDPC_TAIL_BUCKET_MB", 0.0, &mb)); /* 0 to 1e9 */
     *out = (size_t)(mb * 1048576.0);
     return DDPC_OK;
-}
-
-/* DDPC_COMM_CASTS: unset, "" or 0 (the default) or 1. */
-static ddpc_status comm_casts_mode(int *out) {
-    const char *v = getenv("DDPC_COMM_CASTS");
-    *out = v && strcmp(v, "1") == 0;
-    if (!v || !v[0] || strcmp(v, "0") == 0 || *out) return DDPC_OK;
-    return ddpc_error(DDPC_ERR_INVALID, "DDPC_COMM_CASTS=%s is not a setting: use 1 (bf16/fp16 "
-                      "buckets cast to and from the wire on the communication stream, around "
-                      "each all-reduce) or 0/unset (the default)", v);
-}
-
-/* DDPC_CAST_BACK: unset, "" or "end" (the default), or "early". */
-static ddpc_status cast_back_mode(int *early) {
-    const char *v = getenv("DDPC_CAST_BACK");
-    *early = v && strcmp(v, "early") == 0;
-    if (!v || !v[0] || strcmp(v, "end") == 0 || *early) return DDPC_OK;
-    return ddpc_error(DDPC_ERR_INVALID, "DDPC_CAST_BACK=%s is not a setting: use early (bf16/fp16 "
-                      "buckets cast back to the gradients' dtype on a stream of their own as soon "
-                      "as each all-reduce is done) or end/unset (the default: at the end of "
-                      "backward, on the caller's stream)", v);
 }
 
 ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
@@ -340,12 +313,11 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
     DDPC_CHECK_GOTO(alloc_array((void **)&r, 1, sizeof *r, "state"), st, fail);
     r->g = g;
     r->nparams = nparams;
-    const char *batch = getenv("DDPC_GRAD_BATCH");
-    r->batch = !(batch && strcmp(batch, "0") == 0);
-    const char *post_thread = getenv("DDPC_NCCL_POST_THREAD");
-    r->defer = !(post_thread && strcmp(post_thread, "0") == 0);
-    DDPC_CHECK_GOTO(comm_casts_mode(&r->comm_casts), st, fail);
-    DDPC_CHECK_GOTO(cast_back_mode(&r->early_back), st, fail);
+    DDPC_CHECK_GOTO(ddpc_setting_flag("DDPC_GRAD_BATCH", 1, &r->batch), st, fail);
+    DDPC_CHECK_GOTO(ddpc_setting_flag("DDPC_NCCL_POST_THREAD", 1, &r->defer), st, fail);
+    DDPC_CHECK_GOTO(ddpc_setting_flag("DDPC_COMM_CASTS", 0, &r->comm_casts), st, fail);
+    /* DDPC_CAST_BACK: 0 end (the default), 1 early */
+    DDPC_CHECK_GOTO(ddpc_setting_choice("DDPC_CAST_BACK", &r->early_back), st, fail);
     size_t tail_bytes = 0;
     DDPC_CHECK_GOTO(tail_bucket_bytes(&tail_bytes), st, fail);
     size_t n = (size_t)nparams;

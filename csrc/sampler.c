@@ -96,7 +96,7 @@ static int bucket_bits(uint64_t n) {
 
 /* ---------------------------------------------------------------- tasks on threads */
 
-#define MAX_THREADS 64
+#define MAX_THREADS DDPC_SAMPLER_MAX_THREADS
 /* Below this many indices one thread is faster than starting others. */
 #define PARALLEL_MIN ((uint64_t)1 << 20)
 /* How often the calling thread looks for Ctrl-C (it takes the GIL to do so). */
@@ -170,14 +170,10 @@ static ddpc_status run_tasks(int nthreads, uint64_t ntasks, task_fn fn, void *ct
  * shuffles at the same moment, so more would only fight over the same cores. */
 static ddpc_status thread_count(uint64_t n, int *out) {
     *out = 1;
-    const char *env = getenv("DDPC_SAMPLER_THREADS");
-    if (env && *env) {
-        char *end;
-        long v = strtol(env, &end, 10);
-        if (*end || v < 1 || v > MAX_THREADS)
-            return ddpc_error(DDPC_ERR_INVALID, "DDPC_SAMPLER_THREADS=%s: expected an integer "
-                              "in [1, %d]", env, MAX_THREADS);
-        *out = (int)v;
+    uint64_t asked;
+    DDPC_CHECK(ddpc_setting_uint("DDPC_SAMPLER_THREADS", 0, &asked)); /* 1 to MAX_THREADS */
+    if (asked) {
+        *out = (int)asked;
         return DDPC_OK;
     }
     if (n < PARALLEL_MIN) return DDPC_OK;

@@ -64,16 +64,12 @@ static size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
  * (each chunk costs about 16 queued operations), halved while the segment would take more than
  * half of /dev/shm's free space (docker's default /dev/shm is 64 MiB). DDPC_STAGED_CHUNK_BYTES
  * sets it exactly; rank 0's choice holds for all ranks. */
-size_t ddpc_staged_chunk_bytes(int world) {
-    const char *v = getenv("DDPC_STAGED_CHUNK_BYTES");
-    if (v && *v) {
-        char *end;
-        unsigned long long n = strtoull(v, &end, 10);
-        if (*end || n < 65536 || n > ((unsigned long long)64 << 20))
-            DDPC_INFO("NCCL", "ignoring DDPC_STAGED_CHUNK_BYTES=%s: must be in [65536, 67108864]",
-                      v);
-        else
-            return round_up((size_t)n, 4096);
+ddpc_status ddpc_staged_chunk_bytes(int world, size_t *out) {
+    uint64_t set;
+    DDPC_CHECK(ddpc_setting_uint("DDPC_STAGED_CHUNK_BYTES", 0, &set)); /* 64 KiB to 64 MiB */
+    if (set) {
+        *out = round_up((size_t)set, 4096);
+        return DDPC_OK;
     }
     size_t cb = round_up(((size_t)32 << 20) / (size_t)(world > 1 ? world : 2), 4096);
     struct statvfs fs;
@@ -82,7 +78,8 @@ size_t ddpc_staged_chunk_bytes(int world) {
         while (cb > ((size_t)256 << 10) && ddpc_staged_segment_bytes(world, cb) > avail / 2)
             cb = round_up(cb / 2, 4096);
     }
-    return cb;
+    *out = cb;
+    return DDPC_OK;
 }
 
 static size_t seg_cap_of(int world, size_t chunk_bytes) {

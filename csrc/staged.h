@@ -59,9 +59,9 @@ typedef struct DdpcStaged DdpcStaged;
 /* 1 when the staged path handles this dtype and reduction (float types; sum and average). */
 int ddpc_staged_supported(ddpc_dtype dt, ddpc_redop op);
 
-/* The chunk size for `world` ranks (DDPC_STAGED_CHUNK_BYTES overrides it) and the bytes of the
- * shared segment it needs. */
-size_t ddpc_staged_chunk_bytes(int world);
+/* The chunk size for `world` ranks (DDPC_STAGED_CHUNK_BYTES overrides it; a value that is not a
+ * setting is an error) and the bytes of the shared segment it needs. */
+ddpc_status ddpc_staged_chunk_bytes(int world, size_t *out);
 size_t ddpc_staged_segment_bytes(int world, size_t chunk_bytes);
 
 /* Maps the shared segment `shm_name` (created, with the space reserved, when `create`), registers

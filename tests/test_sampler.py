@@ -72,7 +72,7 @@ def test_c_unit(sanitize):
     cmd = [cc, "-std=c11", "-D_GNU_SOURCE", *opt, "-Wall", "-Wextra", "-Werror", "-pthread",
            "-I", os.path.join(ROOT, "csrc"), os.path.join(ROOT, "tests", "c", "test_sampler.c"),
            os.path.join(ROOT, "csrc", "sampler.c"), os.path.join(ROOT, "csrc", "common.c"),
-           "-lm", "-o", exe]
+           os.path.join(ROOT, "csrc", "settings.c"), "-lm", "-o", exe]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, f"compiling failed:\n{' '.join(cmd)}\n{res.stderr}"
     res = subprocess.run([exe], capture_output=True, text=True, timeout=120)

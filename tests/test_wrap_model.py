@@ -881,7 +881,7 @@ def test_reducer_c_unit(sanitize):
     os.makedirs(os.path.join(HERE, "c", "bin"), exist_ok=True)
     exe = os.path.join(HERE, "c", "bin", "test_reducer" + ("_asan" if sanitize else ""))
     srcs = [os.path.join(HERE, "c", "test_reducer.c")] + [
-        os.path.join(ROOT, "csrc", f) for f in ("reducer.c", "common.c", "reduce.c")]
+        os.path.join(ROOT, "csrc", f) for f in ("reducer.c", "common.c", "reduce.c", "settings.c")]
     flags = (["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
               "-fno-sanitize-recover=all"] if sanitize else ["-O2"])
     cc = subprocess.run(["gcc", *flags, "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra",
@@ -991,8 +991,8 @@ def test_embedding_rows_setting_is_checked(world_one, monkeypatch):
 
 
 @pytest.mark.parametrize("name,bad,takes,oks", [
-    ("DDPC_COMM_CASTS", "yes", r"use 1 .* or 0/unset", ("0", "1", "")),
-    ("DDPC_CAST_BACK", "soon", r"use early .* or end/unset", ("early", "end", "")),
+    ("DDPC_COMM_CASTS", "maybe", r"use 1 or 0 .*, or unset it", ("0", "1", "", "yes", "off")),
+    ("DDPC_CAST_BACK", "soon", r"use end or early, or unset it", ("early", "end", "")),
 ])
 def test_bf16_cast_settings_are_checked(world_one, monkeypatch, name, bad, takes, oks):
     """DDPC_COMM_CASTS and DDPC_CAST_BACK (where a bf16 bucket's casts go): anything but their

@@ -176,7 +176,7 @@ def _job_token(addr: str, port: int, world: int) -> str:
         return token
     # Started by torchrun/srun without ddpc.launch: no shared secret exists. Derive one from what
     # every rank knows, and say plainly that the store is then protected by its address only.
-    if world > 1 and os.environ.get("DDPC_QUIET_TOKEN_WARNING") != "1":
+    if world > 1 and not _C.setting_flag("DDPC_QUIET_TOKEN_WARNING", False):
         warnings.warn("DDPC_TOKEN is not set: the rendezvous store accepts any client that can "
                       "reach it. Start with `python -m ddpc.launch` (which sets a random token) or "
                       "export the same DDPC_TOKEN on every rank.", RuntimeWarning, stacklevel=3)
@@ -302,6 +302,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     if _state is not None:
         raise RuntimeError("init_process_group was already called in this process: call "
                            "ddpc.destroy_process_group() first to start a new one")
+    _C.check_settings()  # a DDPC_* value that is not a setting: ValueError, before anything starts
     timeout_s = _timeout_seconds(timeout)
     backend_name = _pick_backend(backend)
     kind, where = _parse_init_method(init_method)

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ddpc import _C
+from ddpc import _C, _settings
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -395,10 +395,15 @@ def _truthy(value: str) -> bool:
 
 
 def env_verdicts(environ: Dict[str, str]) -> List[Tuple[str, str]]:
-    """The verdicts on the settings in `environ` that change how NCCL, CUDA or ddpc work: those
-    that measurably slowed training here, one that serializes the GPU, and a list of the rest."""
+    """The verdicts on the settings in `environ` that change how NCCL, CUDA or ddpc work: DDPC_*
+    values that are not settings (init_process_group refuses them) and DDPC_* names ddpc does
+    not read, those that measurably slowed training here, one that serializes the GPU, and a
+    list of the rest."""
     def get(name: str) -> str:
         return environ.get(name, "").strip()
+
+    p2p = get("NCCL_P2P_DISABLE")
+    p2p_off = _C.nccl_p2p_disabled(p2p)
 
     def measured(name: str, advice: str) -> str:
         return f"{_MEASURED}: {_COSTS[name]}. {advice}"
@@ -415,10 +420,13 @@ def env_verdicts(environ: Dict[str, str]) -> List[Tuple[str, str]]:
         ("NCCL_P2P_READ_ENABLE", get("NCCL_P2P_READ_ENABLE") == "0", "WARNING",
          "NCCL_P2P_READ_ENABLE=0 makes NCCL write into its peers instead of reading from them; "
          + measured("NCCL_P2P_READ_ENABLE", "Unset it")),
-        ("NCCL_P2P_DISABLE", _truthy(get("NCCL_P2P_DISABLE")), "WARNING",
-         f"NCCL_P2P_DISABLE={get('NCCL_P2P_DISABLE')}: the GPUs exchange data through host "
-         f"memory; " + measured("NCCL_P2P_DISABLE", "Unset it unless P2P is broken between "
-                                                    "these GPUs")),
+        ("NCCL_P2P_DISABLE", p2p_off, "WARNING",
+         f"NCCL_P2P_DISABLE={p2p}: the GPUs exchange data through host memory; "
+         + measured("NCCL_P2P_DISABLE", "Unset it unless P2P is broken between these GPUs")),
+        # NCCL turns P2P off only for the number 1 (and so does ddpc, after it)
+        ("NCCL_P2P_DISABLE", bool(p2p) and not p2p_off and p2p != "0", "WARNING",
+         f"NCCL_P2P_DISABLE={p2p} leaves P2P on: NCCL reads the value as a number and turns P2P "
+         f"off only for 1. Set NCCL_P2P_DISABLE=1 to turn it off, or unset it"),
         ("CUDA_LAUNCH_BLOCKING", _truthy(get("CUDA_LAUNCH_BLOCKING")), "WARNING",
          f"CUDA_LAUNCH_BLOCKING={get('CUDA_LAUNCH_BLOCKING')}: every kernel launch waits for the "
          f"kernel to finish, so gradients are no longer reduced while the backward runs. Set it "
@@ -427,8 +435,10 @@ def env_verdicts(environ: Dict[str, str]) -> List[Tuple[str, str]]:
          f"NCCL_DEBUG={get('NCCL_DEBUG')}: NCCL logs every communicator it sets up; useful to "
          f"find a problem, noisy in a training run"),
     ]
-    out = [(kind, text) for _, on, kind, text in checks if on]
-    flagged = {name for name, on, _, _ in checks if on}
+    bad, unknown = _settings.bad_values(environ), _settings.unknown_names(environ)
+    out = [("PROBLEM", text) for _, text in bad] + [("WARNING", text) for _, text in unknown]
+    out += [(kind, text) for _, on, kind, text in checks if on]
+    flagged = {name for name, on, _, _ in checks if on} | {name for name, _ in bad + unknown}
     # (NCCL_RUNTIME_CONNECT=0 is ddpc's own default, set when it is imported: ddpc/distributed.py;
     # NCCL_VERSION is a label NVIDIA's containers carry, which NCCL does not read)
     rest = sorted(f"{k}={v}" for k, v in environ.items()

@@ -25,7 +25,7 @@ import time
 import uuid
 from typing import Any, Callable, Sequence
 
-from ddpc import _oom, doctor
+from ddpc import _oom, _settings, doctor
 from ddpc._worker import STACK_SIGNAL
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's default, so multi-node firewall rules carry over
@@ -520,11 +520,12 @@ def signal_name(sig: int) -> str:
 
 
 def setting_warnings(environ: Any, uses_gpus: bool) -> list[str]:
-    """The doctor's warnings on settings in the environment that slowed GPU training here (a
-    forced NCCL protocol, P2P turned off, CUDA_LAUNCH_BLOCKING, ...): printed once at the start
-    of a job on GPUs, since every rank inherits them. None for a job on CPUs."""
+    """Printed once at the start of a job, since every rank inherits the environment: DDPC_*
+    names ddpc does not read (a typo), and for a job on GPUs the doctor's other warnings, on
+    settings that slowed GPU training here (a forced NCCL protocol, P2P turned off,
+    CUDA_LAUNCH_BLOCKING, ...)."""
     if not uses_gpus:
-        return []
+        return [text for _, text in _settings.unknown_names(dict(environ))]
     return [f"{text} (python -m ddpc.doctor lists every setting)"
             for kind, text in doctor.env_verdicts(dict(environ)) if kind == "WARNING"]
 
@@ -980,6 +981,11 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Launch
             parser.error(f"argument --node-rank: required with --nnodes {args.nnodes}: give each "
                          f"node its index, 0 on the node at --master-addr (torchrun's c10d "
                          f"rendezvous numbers the nodes itself; ddpc's does not)")
+    bad = _settings.bad_values(os.environ)
+    if bad:
+        parser.error("\n".join(text for _, text in bad) + "\n(every rank would refuse "
+                     + ("it" if len(bad) == 1 else "them") + " in init_process_group: fix or "
+                     "unset " + ", ".join(name for name, _ in bad) + ")")
     try:
         plan = plan_devices(args.gpus, args.nproc_per_node)
     except ValueError as e:

@@ -21,7 +21,7 @@ import types
 import uuid
 from typing import Any, Callable, Sequence
 
-from ddpc import _C
+from ddpc import _C, _settings
 from ddpc._nbworker import error_path, exception_path, result_path, run_rank
 from ddpc._worker import die_with_parent, enable_stack_dumps
 from ddpc.launch import (DevicePlan, Worker, WorkerGroup, describe_exit, describe_other,
@@ -245,6 +245,7 @@ def notebook_launcher(fn: Callable[..., Any], args: Sequence[Any] = (),
     kwargs = {} if kwargs is None else kwargs
     gpu_spec = _check_arguments(fn, args, kwargs, nprocs, gpus, timeout, return_all,
                                 start_method)
+    _C.check_settings()  # a DDPC_* value every rank would refuse: ValueError before any starts
     counted: list[int] = []
 
     def gpu_count() -> int:
@@ -260,6 +261,8 @@ def notebook_launcher(fn: Callable[..., Any], args: Sequence[Any] = (),
         raise ValueError(f"gpus={gpus!r}: {e}") from None
     for note in plan.notes:
         print(f"notebook_launcher: note: {note}", file=sys.stderr)
+    for name, text in _settings.unknown_names(os.environ):
+        print(f"notebook_launcher: warning: {text}", file=sys.stderr)
     payload = _payload(fn, args, kwargs, return_all) if start_method == "spawn" else b""
 
     out, err = sys.stdout, sys.stderr

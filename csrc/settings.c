@@ -1,0 +1,261 @@
+/* The DDPC_* environment settings: one table of every name ddpc reads, and the parsers every
+ * reader goes through. A value means the same to every reader, and one that is not a setting is
+ * refused with what the setting takes instead of silently meaning its default.
+ * ddpc_group_create checks them all before it starts anything (ddpc_settings_check).
+ * NCCL_P2P_DISABLE is NCCL's setting; ddpc reads it the way NCCL does (ddpc_nccl_p2p_disabled). */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "common.h"
+
+enum { KIND_FLAG, KIND_UINT, KIND_NUMBER, KIND_CHOICE, KIND_LOGLEVEL, KIND_ELSEWHERE };
+
+typedef struct {
+    const char *name;
+    int kind;
+    double lo, hi;          /* KIND_UINT, KIND_NUMBER: the range, both ends included */
+    const char *choices[4]; /* KIND_CHOICE: the values, the default first */
+    const char *about;      /* what it does, for error messages and the doctor */
+} Setting;
+
+static const Setting SETTINGS[] = {
+    {"DDPC_FAST_ALLREDUCE", KIND_FLAG, 0, 0, {NULL},
+     "1 (the default): small GPU all-reduces between ranks of one host take ddpc's one-shot "
+     "kernel; 0: they go through NCCL"},
+    {"DDPC_STAGED_ALLREDUCE", KIND_FLAG, 0, 0, {NULL},
+     "1: GPU all-reduces of DDPC_STAGED_MIN_BYTES or more go through pinned host memory on the "
+     "copy engines; 0: through NCCL; unset: 1 when NCCL_P2P_DISABLE=1"},
+    {"DDPC_STAGED_OVERLAP", KIND_FLAG, 0, 0, {NULL},
+     "1 (the default): a staged all-reduce on a buffer no queued collective touches starts "
+     "before the calls ahead of it finish; 0: each waits for the one before"},
+    {"DDPC_GRAD_BATCH", KIND_FLAG, 0, 0, {NULL},
+     "1 (the default): a bucket's gradients are copied or cast in one launch once the bucket is "
+     "complete; 0: each as it arrives"},
+    {"DDPC_NCCL_POST_THREAD", KIND_FLAG, 0, 0, {NULL},
+     "1 (the default): the gradient buckets' collectives are issued by ddpc's posting thread; "
+     "0: by the thread that runs the gradient hooks"},
+    {"DDPC_COMM_CASTS", KIND_FLAG, 0, 0, {NULL},
+     "1: bf16/fp16 buckets are cast to and from the wire on the communication stream, around "
+     "each all-reduce; 0 (the default): to the wire on the backward's stream and back at the "
+     "end of backward"},
+    {"DDPC_QUIET_TOKEN_WARNING", KIND_FLAG, 0, 0, {NULL},
+     "1: no warning when a job of several ranks has no DDPC_TOKEN; 0 (the default): the "
+     "warning"},
+    {"DDPC_SHM_SLOT_BYTES", KIND_UINT, 65536, 67108864, {NULL},
+     "the CPU backend's shared-memory slot per rank, in bytes; rank 0's value holds"},
+    {"DDPC_STAGED_MIN_BYTES", KIND_UINT, 0, 1125899906842624.0, {NULL},
+     "the smallest GPU all-reduce, in bytes, that takes the staged path (default 1048576); "
+     "rank 0's value holds"},
+    {"DDPC_STAGED_CHUNK_BYTES", KIND_UINT, 65536, 67108864, {NULL},
+     "the staged path's chunk, in bytes (default 32 MiB / ranks); rank 0's value holds"},
+    {"DDPC_SAMPLER_THREADS", KIND_UINT, 1, DDPC_SAMPLER_MAX_THREADS, {NULL},
+     "the threads DistributedSampler shuffles with (default: the CPUs this process may use, "
+     "at most 8)"},
+    {"DDPC_NCCL_MIN_CTAS", KIND_UINT, 1, 64, {NULL},
+     "the fewest CTAs (SMs) ddpc's NCCL communicator uses; needs NCCL 2.17 or newer"},
+    {"DDPC_NCCL_MAX_CTAS", KIND_UINT, 1, 64, {NULL},
+     "the most CTAs (SMs) ddpc's NCCL communicator uses (fewer leave more SMs to compute); "
+     "needs NCCL 2.17 or newer"},
+    {"DDPC_TAIL_BUCKET_MB", KIND_NUMBER, 0, 1e9, {NULL},
+     "MiB of buckets of their own for the gradients that complete last (0 or unset: none); "
+     "every rank must set the same value"},
+    {"DDPC_CAST_BACK", KIND_CHOICE, 0, 0, {"end", "early", NULL},
+     "end (the default): bf16/fp16 buckets are cast back to the gradients' dtype at the end of "
+     "backward, on the caller's stream; early: as soon as each all-reduce is done, on a stream "
+     "of their own"},
+    {"DDPC_DEBUG", KIND_LOGLEVEL, 0, 0, {NULL},
+     "INFO (or 1): log lines with host:pid:tid; TRACE (or 2): also every collective; OFF (or "
+     "0, the default): none"},
+    /* Read and checked elsewhere: listed so that every name ddpc reads is known here. */
+    {"DDPC_TIMEOUT", KIND_ELSEWHERE, 0, 0, {NULL},
+     "seconds a collective or the rendezvous may take (read by init_process_group)"},
+    {"DDPC_CPU_TRANSPORT", KIND_ELSEWHERE, 0, 0, {NULL},
+     "auto, shm or tcp: how the CPU backend moves data (read by init_process_group)"},
+    {"DDPC_EMBEDDING_ROWS", KIND_ELSEWHERE, 0, 0, {NULL},
+     "auto, 1 or 0: embedding gradients exchanged as rows (read by wrap_model)"},
+    {"DDPC_BIND_ADDR", KIND_ELSEWHERE, 0, 0, {NULL},
+     "the address the CPU backend's TCP transport binds (read by init_process_group)"},
+    {"DDPC_TOKEN", KIND_ELSEWHERE, 0, 0, {NULL},
+     "the job's secret, which the store checks (set by ddpc.launch)"},
+    {"DDPC_NCCL_PATH", KIND_ELSEWHERE, 0, 0, {NULL}, "a libnccl.so.2 to load"},
+    {"DDPC_NCCL_SEARCH_PATH", KIND_ELSEWHERE, 0, 0, {NULL},
+     "directories to look for libnccl.so.2 in first"},
+    {"DDPC_ERROR_FILE", KIND_ELSEWHERE, 0, 0, {NULL},
+     "where a rank writes its error for the launcher (set by ddpc.launch)"},
+    {"DDPC_PARENT_PID", KIND_ELSEWHERE, 0, 0, {NULL},
+     "the launcher's process id (set by ddpc.launch)"},
+    {"DDPC_NO_CUDA", KIND_ELSEWHERE, 0, 0, {NULL}, "1: build without CUDA (read by setup.py)"},
+    {"DDPC_CUDA_ARCHS", KIND_ELSEWHERE, 0, 0, {NULL},
+     "the CUDA architectures to build for, as 80;90 (read by setup.py)"},
+};
+
+#define NSETTINGS ((int)(sizeof SETTINGS / sizeof SETTINGS[0]))
+
+int ddpc_setting_count(void) { return NSETTINGS; }
+
+const char *ddpc_setting_name(int i) { return i >= 0 && i < NSETTINGS ? SETTINGS[i].name : NULL; }
+
+const char *ddpc_setting_about(int i) {
+    return i >= 0 && i < NSETTINGS ? SETTINGS[i].about : NULL;
+}
+
+static const Setting *find(const char *name) {
+    for (int i = 0; i < NSETTINGS; i++)
+        if (!strcmp(SETTINGS[i].name, name)) return &SETTINGS[i];
+    return NULL;
+}
+
+static ddpc_status unknown(const char *name) {
+    return ddpc_error(DDPC_ERR_INVALID, "%s is not a ddpc setting (csrc/settings.c lists them)",
+                      name);
+}
+
+static ddpc_status wrong_kind(const Setting *s) {
+    return ddpc_error(DDPC_ERR_INVALID, "%s is not read as this kind of setting", s->name);
+}
+
+/* 1 true yes on / 0 false no off, in any case: 1 or 0; -1 for anything else. */
+static int parse_flag(const char *v) {
+    static const char *on[] = {"1", "true", "yes", "on"}, *off[] = {"0", "false", "no", "off"};
+    for (int i = 0; i < 4; i++) {
+        if (!strcasecmp(v, on[i])) return 1;
+        if (!strcasecmp(v, off[i])) return 0;
+    }
+    return -1;
+}
+
+/* Decimal digits only (no sign, no spaces), at most 18 of them: 0 on success. */
+static int parse_uint(const char *v, double *out) {
+    size_t n = strlen(v);
+    if (n == 0 || n > 18 || strspn(v, "0123456789") != n) return -1;
+    *out = (double)strtoull(v, NULL, 10);
+    return 0;
+}
+
+static int parse_number(const char *v, double *out) {
+    char *end = NULL;
+    errno = 0;
+    double d = strtod(v, &end);
+    if (end == v || *end || errno || !isfinite(d)) return -1;
+    *out = d;
+    return 0;
+}
+
+/* Checks one setting's value (set and not empty); *num gets a number's value, *idx a choice's
+ * or a flag's. */
+static ddpc_status check_value(const Setting *s, const char *v, double *num, int *idx) {
+    switch (s->kind) {
+    case KIND_FLAG:
+        *idx = parse_flag(v);
+        if (*idx >= 0) return DDPC_OK;
+        return ddpc_error(DDPC_ERR_INVALID, "%s=%s is not a setting: use 1 or 0 (or true/false, "
+                          "yes/no, on/off), or unset it. %s", s->name, v, s->about);
+    case KIND_UINT:
+        if (parse_uint(v, num) == 0 && *num >= s->lo && *num <= s->hi) return DDPC_OK;
+        return ddpc_error(DDPC_ERR_INVALID, "%s=%s is not a setting: use a whole number from %.0f "
+                          "to %.0f, or unset it. It is %s", s->name, v, s->lo, s->hi, s->about);
+    case KIND_NUMBER:
+        if (parse_number(v, num) == 0 && *num >= s->lo && *num <= s->hi) return DDPC_OK;
+        return ddpc_error(DDPC_ERR_INVALID, "%s=%s is not a setting: use a number from %g to %g, "
+                          "or unset it. It is %s", s->name, v, s->lo, s->hi, s->about);
+    case KIND_CHOICE: {
+        char list[128] = "";
+        for (int i = 0; s->choices[i]; i++) {
+            if (!strcasecmp(v, s->choices[i])) {
+                *idx = i;
+                return DDPC_OK;
+            }
+            snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? " or " : "",
+                     s->choices[i]);
+        }
+        return ddpc_error(DDPC_ERR_INVALID, "%s=%s is not a setting: use %s, or unset it. %s",
+                          s->name, v, list, s->about);
+    }
+    case KIND_LOGLEVEL:
+        *idx = ddpc_log_level_parse(v);
+        if (*idx >= 0) return DDPC_OK;
+        return ddpc_error(DDPC_ERR_INVALID, "%s=%s is not a setting: use INFO, TRACE or OFF, or "
+                          "unset it. %s", s->name, v, s->about);
+    default:
+        return DDPC_OK;
+    }
+}
+
+/* The setting's value when it is set to something other than "", else NULL. */
+static const char *value_of(const Setting *s) {
+    const char *v = getenv(s->name);
+    return v && v[0] ? v : NULL;
+}
+
+ddpc_status ddpc_setting_check_value(const char *name, const char *value) {
+    const Setting *s = find(name);
+    if (!s) return unknown(name);
+    double num;
+    int idx;
+    return value && value[0] ? check_value(s, value, &num, &idx) : DDPC_OK;
+}
+
+ddpc_status ddpc_settings_check(void) {
+    for (int i = 0; i < NSETTINGS; i++)
+        DDPC_CHECK(ddpc_setting_check_value(SETTINGS[i].name, getenv(SETTINGS[i].name)));
+    return DDPC_OK;
+}
+
+ddpc_status ddpc_setting_flag(const char *name, int dflt, int *out) {
+    *out = dflt;
+    const Setting *s = find(name);
+    if (!s) return unknown(name);
+    if (s->kind != KIND_FLAG) return wrong_kind(s);
+    const char *v = value_of(s);
+    double num;
+    return v ? check_value(s, v, &num, out) : DDPC_OK;
+}
+
+ddpc_status ddpc_setting_uint(const char *name, uint64_t dflt, uint64_t *out) {
+    *out = dflt;
+    const Setting *s = find(name);
+    if (!s) return unknown(name);
+    if (s->kind != KIND_UINT) return wrong_kind(s);
+    const char *v = value_of(s);
+    if (!v) return DDPC_OK;
+    double num;
+    int idx;
+    DDPC_CHECK(check_value(s, v, &num, &idx));
+    *out = strtoull(v, NULL, 10); /* exact: the double only held it for the range check */
+    return DDPC_OK;
+}
+
+ddpc_status ddpc_setting_number(const char *name, double dflt, double *out) {
+    *out = dflt;
+    const Setting *s = find(name);
+    if (!s) return unknown(name);
+    if (s->kind != KIND_NUMBER) return wrong_kind(s);
+    const char *v = value_of(s);
+    int idx;
+    return v ? check_value(s, v, out, &idx) : DDPC_OK;
+}
+
+ddpc_status ddpc_setting_choice(const char *name, int *out) {
+    *out = 0;
+    const Setting *s = find(name);
+    if (!s) return unknown(name);
+    if (s->kind != KIND_CHOICE) return wrong_kind(s);
+    const char *v = value_of(s);
+    double num;
+    return v ? check_value(s, v, &num, out) : DDPC_OK;
+}
+
+int ddpc_nccl_p2p_disabled_by(const char *value) {
+    /* As NCCL reads it (src/graph/paths.cc, ncclGetLevel): (int)strtol(value, NULL, 0) == 1
+     * turns P2P off; "true", "yes" or 2 read as other numbers and leave it on. */
+    return value && (int)strtol(value, NULL, 0) == 1;
+}
+
+int ddpc_nccl_p2p_disabled(void) {
+    /* (NCCL also reads /etc/nccl.conf and ~/.nccl.conf, which ddpc does not.) */
+    return ddpc_nccl_p2p_disabled_by(getenv("NCCL_P2P_DISABLE"));
+}
