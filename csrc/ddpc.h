@@ -522,6 +522,24 @@ ddpc_status ddpc_setting_flag(const char *name, int dflt, int *out);   /* 1/0, t
 ddpc_status ddpc_setting_uint(const char *name, uint64_t dflt, uint64_t *out); /* in its range */
 ddpc_status ddpc_setting_number(const char *name, double dflt, double *out);   /* in its range */
 ddpc_status ddpc_setting_choice(const char *name, int *out); /* index of its value; 0: default */
+/* A setting's kind and, when it is set, its checked value. */
+enum {
+    DDPC_SETTING_FLAG,     /* index: 1 or 0 */
+    DDPC_SETTING_UINT,     /* whole */
+    DDPC_SETTING_NUMBER,   /* number */
+    DDPC_SETTING_CHOICE,   /* index into its values, text: the value as the table spells it */
+    DDPC_SETTING_LOGLEVEL, /* index: DDPC_LOG_NONE/INFO/TRACE */
+    DDPC_SETTING_TEXT      /* text, checked where it is used */
+};
+typedef struct {
+    int kind;
+    int set;             /* 0: unset or "" (the rest is 0) */
+    int index;
+    unsigned long long whole;
+    double number;
+    const char *text;    /* the environment's string (a choice: the table's) */
+} DdpcSettingValue;
+ddpc_status ddpc_setting_get(const char *name, DdpcSettingValue *out);
 /* Whether `value` (NULL or "": unset) is one for the setting `name`, whatever its kind. */
 ddpc_status ddpc_setting_check_value(const char *name, const char *value);
 /* Every setting's value in the environment: the first that is not one. */

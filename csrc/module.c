@@ -2070,6 +2070,24 @@ static PyObject *mod_check_setting(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* setting(name): None when unset, else the checked value: bool (a flag), int (a whole number or
+ * DDPC_DEBUG's level), float, or str (a choice as the table spells it, or text). */
+static PyObject *mod_setting(PyObject *m, PyObject *args) {
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    DdpcSettingValue v;
+    ddpc_status st = ddpc_setting_get(name, &v);
+    if (st != DDPC_OK) return raise_status(state_of_module(m), st);
+    if (!v.set) Py_RETURN_NONE;
+    switch (v.kind) {
+    case DDPC_SETTING_FLAG: return PyBool_FromLong(v.index);
+    case DDPC_SETTING_UINT: return PyLong_FromUnsignedLongLong(v.whole);
+    case DDPC_SETTING_NUMBER: return PyFloat_FromDouble(v.number);
+    case DDPC_SETTING_LOGLEVEL: return PyLong_FromLong(v.index);
+    default: return PyUnicode_FromString(v.text);
+    }
+}
+
 /* setting_flag(name, default) -> bool: a 1/0 setting as the C core reads it. */
 static PyObject *mod_setting_flag(PyObject *m, PyObject *args) {
     const char *name;
@@ -2259,6 +2277,9 @@ static PyMethodDef module_methods[] = {
     {"check_setting", mod_check_setting, METH_VARARGS,
      "check_setting(name, value): raises ValueError when value is not one for that DDPC_* "
      "setting (or ddpc has no such setting), saying what it takes"},
+    {"setting", mod_setting, METH_VARARGS,
+     "setting(name): None when the DDPC_* setting is unset, else its checked value (bool, int, "
+     "float or str); ValueError when its value is not one"},
     {"setting_flag", mod_setting_flag, METH_VARARGS,
      "setting_flag(name, default) -> bool: a 1/0 DDPC_* setting as the C core reads it"},
     {"nccl_p2p_disabled", mod_nccl_p2p_disabled, METH_VARARGS,

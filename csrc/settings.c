@@ -12,7 +12,14 @@
 
 #include "common.h"
 
-enum { KIND_FLAG, KIND_UINT, KIND_NUMBER, KIND_CHOICE, KIND_LOGLEVEL, KIND_ELSEWHERE };
+enum {
+    KIND_FLAG = DDPC_SETTING_FLAG,
+    KIND_UINT = DDPC_SETTING_UINT,
+    KIND_NUMBER = DDPC_SETTING_NUMBER,
+    KIND_CHOICE = DDPC_SETTING_CHOICE,
+    KIND_LOGLEVEL = DDPC_SETTING_LOGLEVEL,
+    KIND_ELSEWHERE = DDPC_SETTING_TEXT
+};
 
 typedef struct {
     const char *name;
@@ -70,13 +77,18 @@ static const Setting SETTINGS[] = {
     {"DDPC_DEBUG", KIND_LOGLEVEL, 0, 0, {NULL},
      "INFO (or 1): log lines with host:pid:tid; TRACE (or 2): also every collective; OFF (or "
      "0, the default): none"},
-    /* Read and checked elsewhere: listed so that every name ddpc reads is known here. */
-    {"DDPC_TIMEOUT", KIND_ELSEWHERE, 0, 0, {NULL},
-     "seconds a collective or the rendezvous may take (read by init_process_group)"},
-    {"DDPC_CPU_TRANSPORT", KIND_ELSEWHERE, 0, 0, {NULL},
-     "auto, shm or tcp: how the CPU backend moves data (read by init_process_group)"},
-    {"DDPC_EMBEDDING_ROWS", KIND_ELSEWHERE, 0, 0, {NULL},
-     "auto, 1 or 0: embedding gradients exchanged as rows (read by wrap_model)"},
+    /* Read by the Python package (ddpc._C.setting), which takes the checked value from here. */
+    {"DDPC_TIMEOUT", KIND_NUMBER, 0.001, 1e9, {NULL},
+     "the seconds a collective or the rendezvous may take (default 600), unless "
+     "init_process_group gets a timeout"},
+    {"DDPC_CPU_TRANSPORT", KIND_CHOICE, 0, 0, {"auto", "shm", "tcp", NULL},
+     "how the CPU backend moves data: auto (the default: shared memory within a host, TCP "
+     "across hosts), shm or tcp"},
+    {"DDPC_EMBEDDING_ROWS", KIND_CHOICE, 0, 0, {"auto", "1", "0", NULL},
+     "1: embedding lookups' gradients are exchanged as rows; 0: reduced densely; auto (the "
+     "default): rows where NCCL's GPUs do not reach each other directly. Every rank must set "
+     "the same value"},
+    /* Text, read where it is used: listed so that every name ddpc reads is known here. */
     {"DDPC_BIND_ADDR", KIND_ELSEWHERE, 0, 0, {NULL},
      "the address the CPU backend's TCP transport binds (read by init_process_group)"},
     {"DDPC_TOKEN", KIND_ELSEWHERE, 0, 0, {NULL},
@@ -237,6 +249,20 @@ ddpc_status ddpc_setting_number(const char *name, double dflt, double *out) {
     const char *v = value_of(s);
     int idx;
     return v ? check_value(s, v, out, &idx) : DDPC_OK;
+}
+
+ddpc_status ddpc_setting_get(const char *name, DdpcSettingValue *out) {
+    memset(out, 0, sizeof *out);
+    const Setting *s = find(name);
+    if (!s) return unknown(name);
+    out->kind = s->kind;
+    const char *v = value_of(s);
+    if (!v) return DDPC_OK;
+    DDPC_CHECK(check_value(s, v, &out->number, &out->index));
+    out->set = 1;
+    out->text = s->kind == KIND_CHOICE ? s->choices[out->index] : v;
+    if (s->kind == KIND_UINT) out->whole = strtoull(v, NULL, 10);
+    return DDPC_OK;
 }
 
 ddpc_status ddpc_setting_choice(const char *name, int *out) {

@@ -139,12 +139,25 @@ def test_bad_arguments(clean_env, kwargs, exc, match):
     assert not ddpc.is_initialized()
 
 
-@pytest.mark.parametrize("value", ["ten", "nan", "-5", "0"])
+@pytest.mark.parametrize("value", ["ten", "nan", "-5", "0", "inf"])
 def test_bad_ddpc_timeout_variable(clean_env, monkeypatch, value):
     monkeypatch.setenv("DDPC_TIMEOUT", value)
-    with pytest.raises(ValueError, match=f"DDPC_TIMEOUT='{value}'"):
+    with pytest.raises(ValueError, match=f"DDPC_TIMEOUT={value} is not a setting: use a number "
+                                         f"from 0.001 to 1e\\+09"):
         ddpc.init_process_group(backend="cpu", rank=0, world_size=1)
     assert not ddpc.is_initialized()
+
+
+def test_ddpc_timeout_and_transport_variables_are_read(clean_env, monkeypatch):
+    monkeypatch.setenv("DDPC_TIMEOUT", "12.5")
+    monkeypatch.setenv("DDPC_CPU_TRANSPORT", "TCP")
+    ddpc.init_process_group(backend="cpu", rank=0, world_size=1)
+    assert ddpc.distributed._state.timeout == 12.5
+    ddpc.destroy_process_group()
+    monkeypatch.setenv("DDPC_CPU_TRANSPORT", "udp")
+    with pytest.raises(ValueError, match="DDPC_CPU_TRANSPORT=udp is not a setting: use auto or "
+                                         "shm or tcp"):
+        ddpc.init_process_group(backend="cpu", rank=0, world_size=1)
 
 
 _THREAD_NAMES = """

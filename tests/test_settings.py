@@ -31,10 +31,11 @@ def clean_env(monkeypatch):
 def _names_read_in_sources():
     """Every DDPC_* name the C core and the package read from the environment, found in their
     sources: getenv("DDPC_..."), ddpc_setting_*("DDPC_..."), env_ctas("DDPC_..."),
-    os.environ.get("DDPC_...") / os.environ["DDPC_..."], and setup.py's."""
+    _C.setting("DDPC_...") / _C.setting_flag("DDPC_..."), os.environ.get("DDPC_...") /
+    os.environ["DDPC_..."], and setup.py's."""
     pats = [r'getenv\("(DDPC_\w+)"\)', r'ddpc_setting_\w+\("(DDPC_\w+)"', r'env_ctas\("(DDPC_\w+)"',
             r'environ\.get\("(DDPC_\w+)"', r'environ\["(DDPC_\w+)"\]',
-            r'setting_flag\("(DDPC_\w+)"']
+            r'setting(?:_flag)?\("(DDPC_\w+)"']
     files = [os.path.join(ROOT, "csrc", f) for f in os.listdir(os.path.join(ROOT, "csrc"))
              if f.endswith((".c", ".cu"))]
     pkg = os.path.join(ROOT, "python", "ddpc")
@@ -111,10 +112,23 @@ def test_a_value_that_is_not_a_setting_is_refused_with_what_it_takes(clean_env, 
     ("DDPC_SAMPLER_THREADS", "64"), ("DDPC_SHM_SLOT_BYTES", "65536"),
     ("DDPC_STAGED_MIN_BYTES", "0"), ("DDPC_TAIL_BUCKET_MB", "0.5"), ("DDPC_TAIL_BUCKET_MB", "1e3"),
     ("DDPC_CAST_BACK", "EARLY"), ("DDPC_DEBUG", "info"), ("DDPC_DEBUG", "2"),
-    ("DDPC_NCCL_MIN_CTAS", "1"), ("DDPC_TIMEOUT", "whatever: read by init_process_group"),
+    ("DDPC_NCCL_MIN_CTAS", "1"), ("DDPC_TIMEOUT", "0.5"), ("DDPC_EMBEDDING_ROWS", "AUTO"),
+    ("DDPC_TOKEN", "any text: checked by the store"),
 ])
 def test_values_that_are_settings_pass(name, value):
     _C.check_setting(name, value)
+
+
+@pytest.mark.parametrize("name, value, read", [
+    ("DDPC_GRAD_BATCH", "off", False), ("DDPC_SAMPLER_THREADS", "12", 12),
+    ("DDPC_TIMEOUT", "2.5", 2.5), ("DDPC_CPU_TRANSPORT", "SHM", "shm"),
+    ("DDPC_DEBUG", "trace", 2), ("DDPC_TOKEN", "abc", "abc"), ("DDPC_TAIL_BUCKET_MB", "", None),
+])
+def test_the_package_reads_the_checked_value(clean_env, name, value, read):
+    """ddpc._C.setting: what the Python side reads, as the C core checked it (None: unset)."""
+    clean_env.setenv(name, value)
+    got = _C.setting(name)
+    assert got == read and type(got) is type(read), got
 
 
 def test_a_name_ddpc_does_not_read_is_no_setting():

@@ -34,7 +34,6 @@ is then cheaper). DDPC_EMBEDDING_ROWS (mode()) says where routing is on.
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from typing import Any, List, Optional
 
@@ -53,12 +52,7 @@ _WRAPPERS = itertools.count()
 def mode() -> str:
     """DDPC_EMBEDDING_ROWS: "1" routes embedding lookups, "0" does not, "auto" (the default)
     routes them where ddpc.parallel._rows_by_default(group) says."""
-    v = (os.environ.get("DDPC_EMBEDDING_ROWS") or "auto").strip()
-    if v not in ("0", "1", "auto"):
-        raise ValueError(f"DDPC_EMBEDDING_ROWS={v!r}: set it to 1 (exchange embedding lookups' "
-                         f"gradients as rows), 0 (reduce them densely) or auto (rows for NCCL "
-                         f"through host memory only; the default)")
-    return v
+    return _C.setting("DDPC_EMBEDDING_ROWS") or "auto"  # checked: ValueError naming the values
 
 
 def new_prefix() -> str:

@@ -134,19 +134,8 @@ def _resolve_ranks(rank: int, world_size: int) -> Tuple[int, int, int, int]:
 
 def _timeout_seconds(timeout: Any) -> float:
     if timeout is None:
-        env = os.environ.get("DDPC_TIMEOUT")
-        if not env:
-            return DEFAULT_TIMEOUT_S
-        try:
-            seconds = float(env)
-        except ValueError:
-            raise ValueError(f"environment variable DDPC_TIMEOUT={env!r} is not a number of "
-                             f"seconds") from None
-        # NaN and negatives would reach C as an undefined conversion or "wait forever".
-        if not seconds > 0:
-            raise ValueError(f"environment variable DDPC_TIMEOUT={env!r} must be a positive "
-                             f"number of seconds")
-        return seconds
+        seconds = _C.setting("DDPC_TIMEOUT")  # checked: a number from 0.001 to 1e9, or None
+        return DEFAULT_TIMEOUT_S if seconds is None else seconds
     if isinstance(timeout, datetime.timedelta):
         seconds = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
@@ -339,11 +328,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
                 port = st.server.port
         st.master = (addr, port)
         st.store = _C.Store(addr, port, token, r, timeout_s)
-        transport = {"auto": 0, "shm": 1, "tcp": 2}.get(
-            os.environ.get("DDPC_CPU_TRANSPORT", "auto").lower())
-        if transport is None:
-            raise ValueError(f"DDPC_CPU_TRANSPORT={os.environ['DDPC_CPU_TRANSPORT']!r}: use "
-                             f"'auto', 'shm' or 'tcp'")
+        transport = {"auto": 0, "shm": 1, "tcp": 2}[_C.setting("DDPC_CPU_TRANSPORT") or "auto"]
         st.group = _C.Group(st.store, r, w, local_rank=local, local_world_size=local_world,
                             backend=backend_name, timeout=timeout_s, prefix="g0",
                             transport=transport, host_id=_host_id(),
