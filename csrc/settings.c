@@ -68,8 +68,8 @@ static const Setting SETTINGS[] = {
      "the most CTAs (SMs) ddpc's NCCL communicator uses (fewer leave more SMs to compute); "
      "needs NCCL 2.17 or newer"},
     {"DDPC_TAIL_BUCKET_MB", KIND_NUMBER, 0, 1e9, {NULL},
-     "MiB of buckets of their own for the gradients that complete last (0 or unset: none); "
-     "every rank must set the same value"},
+     "the MiB of buckets of their own for the gradients that complete last (0 or unset: "
+     "none); every rank must set the same value"},
     {"DDPC_CAST_BACK", KIND_CHOICE, 0, 0, {"end", "early", NULL},
      "end (the default): bf16/fp16 buckets are cast back to the gradients' dtype at the end of "
      "backward, on the caller's stream; early: as soon as each all-reduce is done, on a stream "
