@@ -1219,7 +1219,7 @@ typedef struct {
 } FastVote;
 
 /* Every rank votes, so all take the same path: on only when all ranks share this host, may use
- * P2P (NCCL_P2P_DISABLE is not 1) and could map each other's regions. A "no" is not an error: the
+ * P2P (neither NCCL_P2P_DISABLE=1 nor NCCL_P2P_LEVEL=LOC) and could map each other's regions. A "no" is not an error: the
  * small all-reduces then go through NCCL like the rest. Store failures are errors. */
 static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
     DdpcGroup *g = im->g;
@@ -1234,9 +1234,8 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
     im->fast = f;
     if (!wanted)
         snprintf(why, sizeof why, "DDPC_FAST_ALLREDUCE=%s", getenv("DDPC_FAST_ALLREDUCE"));
-    else if (ddpc_nccl_p2p_disabled())
-        snprintf(why, sizeof why, "NCCL_P2P_DISABLE=%s", getenv("NCCL_P2P_DISABLE"));
-    else if (g->world < 2 || g->world > DDPC_FAST_MAX_RANKS)
+    else if (!ddpc_nccl_p2p_disabled(why, sizeof why) && /* (else why names the setting) */
+             (g->world < 2 || g->world > DDPC_FAST_MAX_RANKS))
         snprintf(why, sizeof why, "%d ranks (it takes 2 to %d)", g->world, DDPC_FAST_MAX_RANKS);
     if (!why[0]) {
         cudaError_t e = cudaMalloc((void **)&f->region, DDPC_FAST_REGION_BYTES);
@@ -1328,14 +1327,16 @@ typedef struct {
 } StagedVote;
 
 /* The copy-engine path (staged.h) for all-reduces of at least DDPC_STAGED_MIN_BYTES (1 MiB):
- * on when DDPC_STAGED_ALLREDUCE=1, or by default when NCCL_P2P_DISABLE=1, and every rank is
+ * on when DDPC_STAGED_ALLREDUCE=1, or by default when NCCL_P2P_DISABLE=1 (or
+ * NCCL_P2P_LEVEL=LOC), and every rank is
  * on this host. Like fast_setup, every rank votes so all take the same path, and a "no" only
  * leaves the large all-reduces to NCCL. */
 static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
     DdpcGroup *g = im->g;
     char key[256], why[256] = "";
     int wanted, overlap;
-    DDPC_CHECK(ddpc_setting_flag("DDPC_STAGED_ALLREDUCE", ddpc_nccl_p2p_disabled(), &wanted));
+    DDPC_CHECK(ddpc_setting_flag("DDPC_STAGED_ALLREDUCE", ddpc_nccl_p2p_disabled(NULL, 0),
+                                 &wanted));
     DDPC_CHECK(ddpc_setting_flag("DDPC_STAGED_OVERLAP", 1, &overlap));
     if (g->world < 2) return DDPC_OK;
     StagedVote mine;
@@ -1352,7 +1353,7 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
      * must not leave the others waiting for its vote. */
     if (!wanted) {
         snprintf(why, sizeof why,
-                 "not wanted (DDPC_STAGED_ALLREDUCE unset or 0, NCCL_P2P_DISABLE not 1)");
+                 "not wanted (DDPC_STAGED_ALLREDUCE unset or 0, and NCCL keeps P2P on)");
     } else if (g->world > DDPC_STAGED_MAX_RANKS) {
         snprintf(why, sizeof why, "%d ranks (it takes 2 to %d)", g->world, DDPC_STAGED_MAX_RANKS);
     } else if (g->rank == 0) {

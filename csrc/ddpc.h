@@ -547,9 +547,13 @@ ddpc_status ddpc_settings_check(void);
 int ddpc_setting_count(void);
 const char *ddpc_setting_name(int i); /* NULL past the end */
 const char *ddpc_setting_about(int i);
-/* NCCL_P2P_DISABLE as NCCL reads it: 1 when P2P is off (the value 1; "true" leaves it on). */
-int ddpc_nccl_p2p_disabled(void);
-int ddpc_nccl_p2p_disabled_by(const char *value); /* the same for a value (NULL: unset) */
+/* Whether NCCL_P2P_DISABLE and NCCL_P2P_LEVEL, as NCCL reads them, turn P2P off between every
+ * pair of GPUs: NCCL_P2P_DISABLE that reads as the number 1 ("true" leaves P2P on), or else
+ * NCCL_P2P_LEVEL=LOC (or 0). why (NULL: not wanted) gets the setting that does it, as
+ * "NAME=value". ddpc_nccl_p2p_off takes the values (NULL: unset); the other reads the
+ * environment. */
+int ddpc_nccl_p2p_off(const char *disable, const char *level, char *why, size_t len);
+int ddpc_nccl_p2p_disabled(char *why, size_t len);
 
 #ifdef __cplusplus
 }

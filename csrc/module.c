@@ -2098,12 +2098,16 @@ static PyObject *mod_setting_flag(PyObject *m, PyObject *args) {
     return PyBool_FromLong(on);
 }
 
-static PyObject *mod_nccl_p2p_disabled(PyObject *m, PyObject *args) {
+/* nccl_p2p_off([disable, level]) -> "NAME=value" or None. */
+static PyObject *mod_nccl_p2p_off(PyObject *m, PyObject *args) {
     (void)m;
-    const char *value = NULL;
-    if (!PyArg_ParseTuple(args, "|z", &value)) return NULL;
-    return PyBool_FromLong(PyTuple_GET_SIZE(args) ? ddpc_nccl_p2p_disabled_by(value)
-                                                  : ddpc_nccl_p2p_disabled());
+    const char *disable = NULL, *level = NULL;
+    if (!PyArg_ParseTuple(args, "|zz", &disable, &level)) return NULL;
+    char why[256];
+    int off = PyTuple_GET_SIZE(args) ? ddpc_nccl_p2p_off(disable, level, why, sizeof why)
+                                     : ddpc_nccl_p2p_disabled(why, sizeof why);
+    if (!off) Py_RETURN_NONE;
+    return PyUnicode_FromString(why);
 }
 
 static int dtype_arg(int code, const char *what) {
@@ -2282,9 +2286,10 @@ static PyMethodDef module_methods[] = {
      "float or str); ValueError when its value is not one"},
     {"setting_flag", mod_setting_flag, METH_VARARGS,
      "setting_flag(name, default) -> bool: a 1/0 DDPC_* setting as the C core reads it"},
-    {"nccl_p2p_disabled", mod_nccl_p2p_disabled, METH_VARARGS,
-     "nccl_p2p_disabled([value]) -> bool: whether NCCL_P2P_DISABLE (or that value of it) turns "
-     "P2P off as NCCL reads it (the number 1)"},
+    {"nccl_p2p_off", mod_nccl_p2p_off, METH_VARARGS,
+     "nccl_p2p_off([disable, level]) -> 'NAME=value' or None: the setting that turns P2P off "
+     "between every pair of GPUs, as NCCL reads NCCL_P2P_DISABLE (the number 1) and "
+     "NCCL_P2P_LEVEL (LOC or 0); from the environment, or these values (None: unset)"},
     {"device_rows_accumulate", mod_device_rows_accumulate, METH_VARARGS,
      "device_rows_accumulate(grad, grad_dtype, num_rows, width, sorted_ids, perm, n, rows, "
      "rows_dtype, skip, scale, stream): grad[id] += scale * rows of each run of equal ids"},

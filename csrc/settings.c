@@ -35,7 +35,7 @@ static const Setting SETTINGS[] = {
      "kernel; 0: they go through NCCL"},
     {"DDPC_STAGED_ALLREDUCE", KIND_FLAG, 0, 0, {NULL},
      "1: GPU all-reduces of DDPC_STAGED_MIN_BYTES or more go through pinned host memory on the "
-     "copy engines; 0: through NCCL; unset: 1 when NCCL_P2P_DISABLE=1"},
+     "copy engines; 0: through NCCL; unset: 1 when NCCL_P2P_DISABLE=1 or NCCL_P2P_LEVEL=LOC"},
     {"DDPC_STAGED_OVERLAP", KIND_FLAG, 0, 0, {NULL},
      "1 (the default): a staged all-reduce on a buffer no queued collective touches starts "
      "before the calls ahead of it finish; 0: each waits for the one before"},
@@ -275,13 +275,26 @@ ddpc_status ddpc_setting_choice(const char *name, int *out) {
     return v ? check_value(s, v, &num, out) : DDPC_OK;
 }
 
-int ddpc_nccl_p2p_disabled_by(const char *value) {
-    /* As NCCL reads it (src/graph/paths.cc, ncclGetLevel): (int)strtol(value, NULL, 0) == 1
-     * turns P2P off; "true", "yes" or 2 read as other numbers and leave it on. */
-    return value && (int)strtol(value, NULL, 0) == 1;
+int ddpc_nccl_p2p_off(const char *disable, const char *level, char *why, size_t len) {
+    /* As NCCL reads them (src/graph/paths.cc, ncclGetLevel): NCCL_P2P_DISABLE turns P2P off when
+     * (int)strtol(value, NULL, 0) == 1 ("true", "yes" or 2 read as other numbers and leave it
+     * on); otherwise NCCL_P2P_LEVEL=LOC, or an old-style number that starts with a digit and
+     * reads as 0, allows P2P at no distance at all. Other levels allow it up to some distance,
+     * which NVLink always is within. */
+    const char *by = NULL, *value = NULL;
+    if (disable && (int)strtol(disable, NULL, 0) == 1) {
+        by = "NCCL_P2P_DISABLE";
+        value = disable;
+    } else if (level && (!strcmp(level, "LOC") ||
+                         (level[0] >= '0' && level[0] <= '9' && strtol(level, NULL, 0) == 0))) {
+        by = "NCCL_P2P_LEVEL";
+        value = level;
+    }
+    if (by && why && len) snprintf(why, len, "%s=%s", by, value);
+    return by != NULL;
 }
 
-int ddpc_nccl_p2p_disabled(void) {
+int ddpc_nccl_p2p_disabled(char *why, size_t len) {
     /* (NCCL also reads /etc/nccl.conf and ~/.nccl.conf, which ddpc does not.) */
-    return ddpc_nccl_p2p_disabled_by(getenv("NCCL_P2P_DISABLE"));
+    return ddpc_nccl_p2p_off(getenv("NCCL_P2P_DISABLE"), getenv("NCCL_P2P_LEVEL"), why, len);
 }

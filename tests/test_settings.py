@@ -188,13 +188,18 @@ def test_the_sampler_refuses_a_bad_thread_count(clean_env):
         list(iter(s))
 
 
-@pytest.mark.parametrize("value, off", [("1", True), ("0x1", True), ("01", True), ("", False),
-                                        ("0", False), ("2", False), ("true", False),
-                                        ("yes", False)])
-def test_nccl_p2p_disable_is_read_as_nccl_reads_it(value, off):
-    """NCCL turns P2P off only when the value reads as the number 1 (strtol, base 0), so
-    NCCL_P2P_DISABLE=true leaves it on; ddpc's staged and one-shot paths follow that reading."""
-    assert _C.nccl_p2p_disabled(value) is off
+@pytest.mark.parametrize("disable, level, off", [
+    ("1", None, "NCCL_P2P_DISABLE=1"), ("0x1", None, "NCCL_P2P_DISABLE=0x1"),
+    ("01", "NVL", "NCCL_P2P_DISABLE=01"), (None, None, None), ("", None, None), ("0", None, None),
+    ("2", None, None), ("true", None, None), ("yes", None, None),
+    (None, "LOC", "NCCL_P2P_LEVEL=LOC"), ("0", "0", "NCCL_P2P_LEVEL=0"), (None, "NVL", None),
+    (None, "SYS", None), (None, "3", None), (None, "loc", None),
+])
+def test_nccl_p2p_settings_are_read_as_nccl_reads_them(disable, level, off):
+    """NCCL turns P2P off when NCCL_P2P_DISABLE reads as the number 1 (strtol, base 0; so
+    NCCL_P2P_DISABLE=true leaves it on), or else when NCCL_P2P_LEVEL is LOC or an old-style 0.
+    ddpc's staged and one-shot paths follow that reading."""
+    assert _C.nccl_p2p_off(disable, level) == off
 
 
 def test_the_doctor_names_bad_values_unknown_names_and_a_p2p_setting_that_does_nothing():
@@ -211,6 +216,11 @@ def test_the_doctor_names_bad_values_unknown_names_and_a_p2p_setting_that_does_n
     assert _settings.unknown_names({"DDPC_ZZZ": "1"}) == [
         ("DDPC_ZZZ", "DDPC_ZZZ is not a ddpc setting, so it changes nothing; README.md lists "
                      "ddpc's settings")]
+    # P2P turned off by its level instead: named as such, and not listed again
+    got = doctor.env_verdicts({"NCCL_P2P_LEVEL": "LOC"})
+    assert [k for k, _ in got] == ["WARNING"], got
+    assert got[0][1].startswith("NCCL_P2P_LEVEL=LOC: the GPUs exchange data through host "
+                                "memory"), got
 
 
 def test_the_notebook_launcher_refuses_a_bad_setting_before_any_rank_starts(clean_env):

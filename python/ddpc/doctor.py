@@ -403,7 +403,7 @@ def env_verdicts(environ: Dict[str, str]) -> List[Tuple[str, str]]:
         return environ.get(name, "").strip()
 
     p2p = get("NCCL_P2P_DISABLE")
-    p2p_off = _C.nccl_p2p_disabled(p2p)
+    p2p_off = _C.nccl_p2p_off(p2p or None, get("NCCL_P2P_LEVEL") or None)  # "NAME=value" or None
 
     def measured(name: str, advice: str) -> str:
         return f"{_MEASURED}: {_COSTS[name]}. {advice}"
@@ -420,11 +420,11 @@ def env_verdicts(environ: Dict[str, str]) -> List[Tuple[str, str]]:
         ("NCCL_P2P_READ_ENABLE", get("NCCL_P2P_READ_ENABLE") == "0", "WARNING",
          "NCCL_P2P_READ_ENABLE=0 makes NCCL write into its peers instead of reading from them; "
          + measured("NCCL_P2P_READ_ENABLE", "Unset it")),
-        ("NCCL_P2P_DISABLE", p2p_off, "WARNING",
-         f"NCCL_P2P_DISABLE={p2p}: the GPUs exchange data through host memory; "
+        ((p2p_off or "NCCL_P2P_DISABLE").split("=")[0], p2p_off is not None, "WARNING",
+         f"{p2p_off}: the GPUs exchange data through host memory; "
          + measured("NCCL_P2P_DISABLE", "Unset it unless P2P is broken between these GPUs")),
         # NCCL turns P2P off only for the number 1 (and so does ddpc, after it)
-        ("NCCL_P2P_DISABLE", bool(p2p) and not p2p_off and p2p != "0", "WARNING",
+        ("NCCL_P2P_DISABLE", bool(p2p) and p2p_off is None and p2p != "0", "WARNING",
          f"NCCL_P2P_DISABLE={p2p} leaves P2P on: NCCL reads the value as a number and turns P2P "
          f"off only for 1. Set NCCL_P2P_DISABLE=1 to turn it off, or unset it"),
         ("CUDA_LAUNCH_BLOCKING", _truthy(get("CUDA_LAUNCH_BLOCKING")), "WARNING",
