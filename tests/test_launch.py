@@ -147,8 +147,8 @@ def test_settings_that_slow_gpu_training_are_warned_about_for_gpu_jobs_only(tmp_
 
 def test_a_bad_ddpc_setting_stops_the_launch_and_a_misspelt_one_is_named(tmp_path):
     """A DDPC_* value that is not a setting: no rank starts (each would refuse it), exit 2 with
-    what it takes. A DDPC_* name ddpc does not read: a warning naming the likely setting, and the
-    job runs."""
+    what it takes. A DDPC_* name ddpc does not read, or a misspelt CUDA_VISIBLE_DEVICES: a
+    warning naming the likely setting, and the job runs."""
     write(tmp_path, "mark.py", """
         import os
         open(f"ran{os.environ['RANK']}", "w").close()
@@ -160,10 +160,12 @@ def test_a_bad_ddpc_setting_stops_the_launch_and_a_misspelt_one_is_named(tmp_pat
     assert "fix or unset DDPC_GRAD_BATCH" in err, err
     assert not list(tmp_path.glob("ran*")), "a rank started"
     rc, out, err, _ = launch(["--nproc-per-node", "2", "mark.py"], tmp_path,
-                             env=launcher_env(DDPC_GRAD_BACH="0"))
+                             env=launcher_env(DDPC_GRAD_BACH="0", CUDA_VISIBLE_DEVICE="1"))
     assert rc == 0, err
     assert ("ddpc.launch: warning: DDPC_GRAD_BACH is not a ddpc setting, so it changes nothing "
             "(did you mean DDPC_GRAD_BATCH?)") in err, err
+    assert ("ddpc.launch: warning: CUDA_VISIBLE_DEVICE=1 is not CUDA's setting "
+            "(CUDA_VISIBLE_DEVICES), so it hides no GPU") in err, err
     assert sorted(p.name for p in tmp_path.glob("ran*")) == ["ran0", "ran1"]
 
 

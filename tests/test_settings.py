@@ -223,6 +223,22 @@ def test_the_doctor_names_bad_values_unknown_names_and_a_p2p_setting_that_does_n
                                 "memory"), got
 
 
+def test_a_misspelt_cuda_visible_devices_is_named():
+    """CUDA reads only CUDA_VISIBLE_DEVICES: a near miss hides no GPU (the mission's 'OOM on GPU
+    0' when the user meant GPUs 2 and 3), so the doctor and the launchers say so."""
+    env = {"CUDA_VISIBLE_DEVICE": "2,3", "cuda_visible_devices": "1", "CUDA_VISABLE_DEVICES": "0",
+           "CUDA_VISIBLE_DEVICES": "0", "NVIDIA_VISIBLE_DEVICES": "all", "CUDA_HOME": "/cuda",
+           "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    got = _settings.misspelt_visible_devices(env)
+    assert [n for n, _ in got] == ["CUDA_VISABLE_DEVICES", "CUDA_VISIBLE_DEVICE",
+                                   "cuda_visible_devices"], got
+    assert got[1][1] == ("CUDA_VISIBLE_DEVICE=2,3 is not CUDA's setting (CUDA_VISIBLE_DEVICES), "
+                         "so it hides no GPU: rename it to CUDA_VISIBLE_DEVICES, or pick the GPUs "
+                         "with `python -m ddpc.launch --gpus 2,3`")
+    verdicts = doctor.env_verdicts({"CUDA_VISIBLE_DEVICE": "2,3"})
+    assert verdicts == [("WARNING", got[1][1])], verdicts
+
+
 def test_the_notebook_launcher_refuses_a_bad_setting_before_any_rank_starts(clean_env):
     clean_env.setenv("DDPC_GRAD_BATCH", "later")
     with pytest.raises(ValueError, match="DDPC_GRAD_BATCH=later is not a setting"):

@@ -1,6 +1,7 @@
 """The DDPC_* environment settings, as the C core's table (csrc/settings.c) knows them: which
 values in an environment are not settings, and which DDPC_* names ddpc does not read at all
-(a typo means the setting silently has no effect). Used by the doctor and the launchers."""
+(a typo means the setting silently has no effect), and a misspelt CUDA_VISIBLE_DEVICES (which
+hides no GPU, so every rank sees them all). Used by the doctor and the launchers."""
 from __future__ import annotations
 
 import difflib
@@ -38,4 +39,21 @@ def unknown_names(environ: Mapping[str, str]) -> List[Tuple[str, str]]:
         hint = f" (did you mean {close[0]}?)" if close else ""
         out.append((name, f"{name} is not a ddpc setting, so it changes nothing{hint}; "
                           f"README.md lists ddpc's settings"))
+    return out
+
+
+def misspelt_visible_devices(environ: Mapping[str, str]) -> List[Tuple[str, str]]:
+    """(name, message) for each variable in `environ` that looks like CUDA_VISIBLE_DEVICES but
+    is not it (CUDA_VISIBLE_DEVICE, cuda_visible_devices, ...): CUDA reads only the exact name,
+    so such a variable hides no GPU, and the job runs on GPUs it was meant to leave alone."""
+    want = "CUDA_VISIBLE_DEVICES"
+    out = []
+    for name in sorted(environ):
+        up = name.upper()
+        if (name != want and up.startswith("CUDA_")
+                and difflib.SequenceMatcher(None, up, want).ratio() >= 0.9):
+            value = environ[name]
+            out.append((name, f"{name}={value} is not CUDA's setting ({want}), so it hides no "
+                              f"GPU: rename it to {want}, or pick the GPUs with "
+                              f"`python -m ddpc.launch --gpus {value or '0,1'}`"))
     return out

@@ -436,6 +436,7 @@ def env_verdicts(environ: Dict[str, str]) -> List[Tuple[str, str]]:
          f"find a problem, noisy in a training run"),
     ]
     bad, unknown = _settings.bad_values(environ), _settings.unknown_names(environ)
+    unknown += _settings.misspelt_visible_devices(environ)
     out = [("PROBLEM", text) for _, text in bad] + [("WARNING", text) for _, text in unknown]
     out += [(kind, text) for _, on, kind, text in checks if on]
     flagged = {name for name, on, _, _ in checks if on} | {name for name, _ in bad + unknown}

@@ -521,11 +521,13 @@ def signal_name(sig: int) -> str:
 
 def setting_warnings(environ: Any, uses_gpus: bool) -> list[str]:
     """Printed once at the start of a job, since every rank inherits the environment: DDPC_*
-    names ddpc does not read (a typo), and for a job on GPUs the doctor's other warnings, on
-    settings that slowed GPU training here (a forced NCCL protocol, P2P turned off,
-    CUDA_LAUNCH_BLOCKING, ...)."""
+    names ddpc does not read and a misspelt CUDA_VISIBLE_DEVICES (typos), and for a job on GPUs
+    the doctor's other warnings, on settings that slowed GPU training here (a forced NCCL
+    protocol, P2P turned off, CUDA_LAUNCH_BLOCKING, ...)."""
     if not uses_gpus:
-        return [text for _, text in _settings.unknown_names(dict(environ))]
+        env = dict(environ)
+        return [text for _, text in
+                _settings.unknown_names(env) + _settings.misspelt_visible_devices(env)]
     return [f"{text} (python -m ddpc.doctor lists every setting)"
             for kind, text in doctor.env_verdicts(dict(environ)) if kind == "WARNING"]
 

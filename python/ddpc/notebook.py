@@ -261,7 +261,8 @@ def notebook_launcher(fn: Callable[..., Any], args: Sequence[Any] = (),
         raise ValueError(f"gpus={gpus!r}: {e}") from None
     for note in plan.notes:
         print(f"notebook_launcher: note: {note}", file=sys.stderr)
-    for name, text in _settings.unknown_names(os.environ):
+    for name, text in (_settings.unknown_names(os.environ)
+                       + _settings.misspelt_visible_devices(os.environ)):
         print(f"notebook_launcher: warning: {text}", file=sys.stderr)
     payload = _payload(fn, args, kwargs, return_all) if start_method == "spawn" else b""
 
