@@ -2,7 +2,8 @@
  * reader goes through. A value means the same to every reader, and one that is not a setting is
  * refused with what the setting takes instead of silently meaning its default.
  * ddpc_group_create checks them all before it starts anything (ddpc_settings_check).
- * NCCL_P2P_DISABLE is NCCL's setting; ddpc reads it the way NCCL does (ddpc_nccl_p2p_disabled). */
+ * NCCL_P2P_DISABLE and NCCL_P2P_LEVEL are NCCL's settings; ddpc reads them the way NCCL does
+ * (ddpc_nccl_p2p_off). */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -18,7 +19,7 @@ enum {
     KIND_NUMBER = DDPC_SETTING_NUMBER,
     KIND_CHOICE = DDPC_SETTING_CHOICE,
     KIND_LOGLEVEL = DDPC_SETTING_LOGLEVEL,
-    KIND_ELSEWHERE = DDPC_SETTING_TEXT
+    KIND_TEXT = DDPC_SETTING_TEXT
 };
 
 typedef struct {
@@ -89,19 +90,19 @@ static const Setting SETTINGS[] = {
      "default): rows where NCCL's GPUs do not reach each other directly. Every rank must set "
      "the same value"},
     /* Text, read where it is used: listed so that every name ddpc reads is known here. */
-    {"DDPC_BIND_ADDR", KIND_ELSEWHERE, 0, 0, {NULL},
+    {"DDPC_BIND_ADDR", KIND_TEXT, 0, 0, {NULL},
      "the address the CPU backend's TCP transport binds (read by init_process_group)"},
-    {"DDPC_TOKEN", KIND_ELSEWHERE, 0, 0, {NULL},
+    {"DDPC_TOKEN", KIND_TEXT, 0, 0, {NULL},
      "the job's secret, which the store checks (set by ddpc.launch)"},
-    {"DDPC_NCCL_PATH", KIND_ELSEWHERE, 0, 0, {NULL}, "a libnccl.so.2 to load"},
-    {"DDPC_NCCL_SEARCH_PATH", KIND_ELSEWHERE, 0, 0, {NULL},
+    {"DDPC_NCCL_PATH", KIND_TEXT, 0, 0, {NULL}, "a libnccl.so.2 to load"},
+    {"DDPC_NCCL_SEARCH_PATH", KIND_TEXT, 0, 0, {NULL},
      "directories to look for libnccl.so.2 in first"},
-    {"DDPC_ERROR_FILE", KIND_ELSEWHERE, 0, 0, {NULL},
+    {"DDPC_ERROR_FILE", KIND_TEXT, 0, 0, {NULL},
      "where a rank writes its error for the launcher (set by ddpc.launch)"},
-    {"DDPC_PARENT_PID", KIND_ELSEWHERE, 0, 0, {NULL},
+    {"DDPC_PARENT_PID", KIND_TEXT, 0, 0, {NULL},
      "the launcher's process id (set by ddpc.launch)"},
-    {"DDPC_NO_CUDA", KIND_ELSEWHERE, 0, 0, {NULL}, "1: build without CUDA (read by setup.py)"},
-    {"DDPC_CUDA_ARCHS", KIND_ELSEWHERE, 0, 0, {NULL},
+    {"DDPC_NO_CUDA", KIND_TEXT, 0, 0, {NULL}, "1: build without CUDA (read by setup.py)"},
+    {"DDPC_CUDA_ARCHS", KIND_TEXT, 0, 0, {NULL},
      "the CUDA architectures to build for, as 80;90 (read by setup.py)"},
 };
 
