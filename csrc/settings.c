@@ -218,40 +218,6 @@ ddpc_status ddpc_settings_check(void) {
     return DDPC_OK;
 }
 
-ddpc_status ddpc_setting_flag(const char *name, int dflt, int *out) {
-    *out = dflt;
-    const Setting *s = find(name);
-    if (!s) return unknown(name);
-    if (s->kind != KIND_FLAG) return wrong_kind(s);
-    const char *v = value_of(s);
-    double num;
-    return v ? check_value(s, v, &num, out) : DDPC_OK;
-}
-
-ddpc_status ddpc_setting_uint(const char *name, uint64_t dflt, uint64_t *out) {
-    *out = dflt;
-    const Setting *s = find(name);
-    if (!s) return unknown(name);
-    if (s->kind != KIND_UINT) return wrong_kind(s);
-    const char *v = value_of(s);
-    if (!v) return DDPC_OK;
-    double num;
-    int idx;
-    DDPC_CHECK(check_value(s, v, &num, &idx));
-    *out = strtoull(v, NULL, 10); /* exact: the double only held it for the range check */
-    return DDPC_OK;
-}
-
-ddpc_status ddpc_setting_number(const char *name, double dflt, double *out) {
-    *out = dflt;
-    const Setting *s = find(name);
-    if (!s) return unknown(name);
-    if (s->kind != KIND_NUMBER) return wrong_kind(s);
-    const char *v = value_of(s);
-    int idx;
-    return v ? check_value(s, v, out, &idx) : DDPC_OK;
-}
-
 ddpc_status ddpc_setting_get(const char *name, DdpcSettingValue *out) {
     memset(out, 0, sizeof *out);
     const Setting *s = find(name);
@@ -262,18 +228,48 @@ ddpc_status ddpc_setting_get(const char *name, DdpcSettingValue *out) {
     DDPC_CHECK(check_value(s, v, &out->number, &out->index));
     out->set = 1;
     out->text = s->kind == KIND_CHOICE ? s->choices[out->index] : v;
+    /* exact: the double only held it for the range check */
     if (s->kind == KIND_UINT) out->whole = strtoull(v, NULL, 10);
     return DDPC_OK;
 }
 
-ddpc_status ddpc_setting_choice(const char *name, int *out) {
-    *out = 0;
+/* ddpc_setting_get for a reader that reads the setting as `kind` (another kind is its bug). */
+static ddpc_status get_as(const char *name, int kind, DdpcSettingValue *v) {
     const Setting *s = find(name);
-    if (!s) return unknown(name);
-    if (s->kind != KIND_CHOICE) return wrong_kind(s);
-    const char *v = value_of(s);
-    double num;
-    return v ? check_value(s, v, &num, out) : DDPC_OK;
+    if (s && s->kind != kind) return wrong_kind(s);
+    return ddpc_setting_get(name, v);
+}
+
+ddpc_status ddpc_setting_flag(const char *name, int dflt, int *out) {
+    DdpcSettingValue v;
+    *out = dflt;
+    DDPC_CHECK(get_as(name, KIND_FLAG, &v));
+    if (v.set) *out = v.index;
+    return DDPC_OK;
+}
+
+ddpc_status ddpc_setting_uint(const char *name, uint64_t dflt, uint64_t *out) {
+    DdpcSettingValue v;
+    *out = dflt;
+    DDPC_CHECK(get_as(name, KIND_UINT, &v));
+    if (v.set) *out = v.whole;
+    return DDPC_OK;
+}
+
+ddpc_status ddpc_setting_number(const char *name, double dflt, double *out) {
+    DdpcSettingValue v;
+    *out = dflt;
+    DDPC_CHECK(get_as(name, KIND_NUMBER, &v));
+    if (v.set) *out = v.number;
+    return DDPC_OK;
+}
+
+ddpc_status ddpc_setting_choice(const char *name, int *out) {
+    DdpcSettingValue v;
+    *out = 0;
+    DDPC_CHECK(get_as(name, KIND_CHOICE, &v));
+    *out = v.index; /* 0, the default, when unset */
+    return DDPC_OK;
 }
 
 int ddpc_nccl_p2p_off(const char *disable, const char *level, char *why, size_t len) {
