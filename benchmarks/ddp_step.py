@@ -197,7 +197,7 @@ ENV_VARS = ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO", "
             "NCCL_SHM_USE_CUDA_MEMCPY", "NCCL_SHM_MEMCPY_MODE", "CUDA_VISIBLE_DEVICES",
             "OMP_NUM_THREADS", "DDPC_NCCL_MIN_CTAS", "DDPC_NCCL_MAX_CTAS", "DDPC_TAIL_BUCKET_MB",
             "DDPC_STAGED_ALLREDUCE", "DDPC_STAGED_OVERLAP", "DDPC_NCCL_POST_THREAD",
-            "DDPC_EMBEDDING_ROWS", "DDPC_CAST_BACK")
+            "DDPC_EMBEDDING_ROWS", "DDPC_CAST_BACK", "DDPC_NCCL_WINDOW_MB")
 
 
 def describe_env(device: torch.device) -> dict:
@@ -257,6 +257,9 @@ class Variant:
                 else:
                     os.environ[k] = v
         self.mem = peak_mib(device) - before
+        # ddpc's symmetric window (DDPC_NCCL_WINDOW_MB) is outside torch's allocator, held from
+        # the wrapper's construction on: it counts in full.
+        self.mem += getattr(self.model, "_window_bytes", 0) / 2 ** 20
         if hasattr(self.model, "host_times"):
             self.model.host_times()  # (from here on: the timed steps only)
 
@@ -600,6 +603,13 @@ def _worker(rank, args, ports, results):
                                     lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16),
                                     env={"DDPC_CAST_BACK": "early",
                                          "DDPC_EMBEDDING_ROWS": "1"}))
+    if args.window_mb:
+        # What NCCL's symmetric kernels save the backward: the wires of every bucket but the
+        # last in one symmetric window (DDPC_NCCL_WINDOW_MB, read when the wrapper is made).
+        for k in range(2 if args.control else 1):
+            variants.append(Variant(f"ddpc bf16 window{' (control)' if k else ''}",
+                                    lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16),
+                                    env={"DDPC_NCCL_WINDOW_MB": f"{args.window_mb:g}"}))
     if args.bf16_via_bucket:
         # What casting fresh gradients straight to the wire saves: each copied into its bucket
         # slot first, as before it.
@@ -800,6 +810,10 @@ def main() -> int:
                     help="also run ddpc with bf16 gradients cast back as soon as each bucket's "
                          "all-reduce is done, on a stream of their own (DDPC_CAST_BACK=early), "
                          "instead of at the end of backward")
+    ap.add_argument("--window-mb", type=float, default=0,
+                    help="also run ddpc with bf16 gradients whose buckets but the last are "
+                         "all-reduced in an NCCL symmetric window of at most this many MiB "
+                         "(DDPC_NCCL_WINDOW_MB; with --control, twice)")
     ap.add_argument("--no-ddp-every-rank", action="store_true",
                     help="also time the model without DDP on every rank at once: what the ranks "
                          "cost each other on the host, with no communication")

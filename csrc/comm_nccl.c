@@ -84,7 +84,14 @@ typedef struct NcclApi {
                                   ncclRedOp_t op, ncclComm_t comm, void *stream);
     const char *(*GetErrorString)(ncclResult_t result);
     const char *(*GetLastError)(ncclComm_t comm);
+    /* Optional (NULL when this NCCL lacks them): symmetric windows, 2.27 and newer. */
+    ncclResult_t (*MemAlloc)(void **ptr, size_t size);
+    ncclResult_t (*MemFree)(void *ptr);
+    ncclResult_t (*CommWindowRegister)(ncclComm_t comm, void *buff, size_t size, void **win,
+                                       int flags);
+    ncclResult_t (*CommWindowDeregister)(ncclComm_t comm, void *win);
 } NcclApi;
+#define NCCL_WIN_COLL_SYMMETRIC 0x01
 
 static const struct {
     const char *name;
@@ -101,6 +108,16 @@ static const struct {
     {"ncclReduceScatter", offsetof(NcclApi, ReduceScatter)},
     {"ncclGetErrorString", offsetof(NcclApi, GetErrorString)},
     {"ncclGetLastError", offsetof(NcclApi, GetLastError)},
+};
+
+static const struct {
+    const char *name;
+    size_t offset;
+} k_nccl_optional_syms[] = {
+    {"ncclMemAlloc", offsetof(NcclApi, MemAlloc)},
+    {"ncclMemFree", offsetof(NcclApi, MemFree)},
+    {"ncclCommWindowRegister", offsetof(NcclApi, CommWindowRegister)},
+    {"ncclCommWindowDeregister", offsetof(NcclApi, CommWindowDeregister)},
 };
 
 static pthread_mutex_t g_load_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -256,6 +273,10 @@ ddpc_status ddpc_nccl_load(char *version, size_t version_len) {
         /* dlsym hands out a data pointer; POSIX guarantees it converts to the function. */
         memcpy((char *)&api + k_nccl_syms[i].offset, &sym, sizeof sym);
     }
+    for (size_t i = 0; i < sizeof k_nccl_optional_syms / sizeof *k_nccl_optional_syms; i++) {
+        void *sym = dlsym(h, k_nccl_optional_syms[i].name);
+        if (sym) memcpy((char *)&api + k_nccl_optional_syms[i].offset, &sym, sizeof sym);
+    }
     Dl_info info;
     if (api.GetVersion && dladdr((void *)api.GetVersion, &info) && info.dli_fname)
         snprintf(where, sizeof where, "%s", info.dli_fname);
@@ -397,7 +418,18 @@ typedef struct NcclImpl {
     /* The trace on (ddpc_group_trace_start), or NULL. Taken, started and stopped under g->mu;
      * stopped only after the posting thread has issued what was posted before. */
     DdpcTrace *trace;
+    /* Symmetric windows (ddpc_group_window_alloc): made in the same order on every rank, which
+     * numbers them; guarded by g->mu's callers being one thread at a time (wrap_model). */
+    struct NcclWindow *windows;
+    int nwindows_made;
 } NcclImpl;
+
+typedef struct NcclWindow {
+    void *ptr;   /* from ncclMemAlloc */
+    size_t bytes;
+    void *win;   /* ncclWindow_t */
+    struct NcclWindow *next;
+} NcclWindow;
 
 /* What a fast call was, for the message when it fails (the kernel reports only its epoch). */
 typedef struct FastCall {
@@ -902,7 +934,10 @@ static ddpc_status exchange_id(DdpcGroup *g, int64_t deadline, ncclUniqueId *id)
     return DDPC_OK;
 }
 
+static void windows_free(NcclImpl *im);
+
 static void impl_free(NcclImpl *im) {
+    windows_free(im);
     ddpc_trace_free(im->trace); /* (a trace never stopped) */
     im->trace = NULL;
     fast_free(im, 1); /* a clean shutdown freed it already (fast_teardown) */
@@ -1167,15 +1202,14 @@ static void fast_free(NcclImpl *im, int region_shared) {
 
 /* Waits for a store key every rank sets during initialization. */
 static ddpc_status fast_get(DdpcGroup *g, const char *key, int64_t deadline, void **val,
-                            size_t *len) {
+                            size_t *len, const char *what) {
     int64_t next_store_check = 0;
     for (;;) {
         int64_t slice = DDPC_MAX(ddpc_slice(deadline, DDPC_SLICE_MS), 1);
         ddpc_status st = ddpc_store_get(g->store, key, slice, val, len);
         if (st == DDPC_OK) return DDPC_OK;
         if (st != DDPC_ERR_TIMEOUT && st != DDPC_ERR_NOTFOUND) return st;
-        DDPC_CHECK(init_check(g, deadline, &next_store_check,
-                              "setting up the fast all-reduce with its peers"));
+        DDPC_CHECK(init_check(g, deadline, &next_store_check, what));
     }
 }
 
@@ -1192,7 +1226,8 @@ static void vote_verdict(int ok, const char *host, const char *mine, int r, int 
 /* The second round: every rank says whether it could set the path up (`name`/<rank> = '1' or
  * '0') and reads the others'; *enabled is 1 only when all could. */
 static ddpc_status yes_vote(DdpcGroup *g, int64_t deadline, const char *name, int yes,
-                            int *enabled, char *why, size_t why_len, const char *failed) {
+                            int *enabled, char *why, size_t why_len, const char *failed,
+                            const char *what) {
     char key[256], mine = yes ? '1' : '0';
     ddpc_group_key(g, key, sizeof key, "%s/%d", name, g->rank);
     DDPC_CHECK(ddpc_store_set(g->store, key, &mine, 1));
@@ -1201,7 +1236,7 @@ static ddpc_status yes_vote(DdpcGroup *g, int64_t deadline, const char *name, in
         void *val = NULL;
         size_t len = 0;
         ddpc_group_key(g, key, sizeof key, "%s/%d", name, r);
-        DDPC_CHECK(fast_get(g, key, deadline, &val, &len));
+        DDPC_CHECK(fast_get(g, key, deadline, &val, &len, what));
         int ok = len == 1 && ((char *)val)[0] == '1';
         free(val);
         if (!ok) {
@@ -1264,7 +1299,8 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
         void *val = NULL;
         size_t len = 0;
         ddpc_group_key(g, key, sizeof key, "fast/vote/%d", r);
-        ddpc_status st = fast_get(g, key, deadline, &val, &len);
+        ddpc_status st = fast_get(g, key, deadline, &val, &len,
+                                  "setting up the fast all-reduce with its peers");
         if (st != DDPC_OK) {
             free(votes);
             return st;
@@ -1300,7 +1336,8 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
     /* Second vote: did every rank map every other one? */
     int enabled = 0;
     DDPC_CHECK(yes_vote(g, deadline, "fast/mapped", all_ok, &enabled, why, sizeof why,
-                        "could not map its peers"));
+                        "could not map its peers",
+                        "setting up the fast all-reduce with its peers"));
     if (!enabled) {
         DDPC_INFO("NCCL", "rank %d: small all-reduces go through NCCL (no one-shot path: %s)",
                   g->rank, why);
@@ -1374,7 +1411,9 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
         void *val = NULL;
         size_t len = 0;
         ddpc_group_key(g, key, sizeof key, "staged/vote/%d", r);
-        if ((st = fast_get(g, key, deadline, &val, &len)) != DDPC_OK) break;
+        if ((st = fast_get(g, key, deadline, &val, &len,
+                           "setting up the staged all-reduce with its peers")) != DDPC_OK)
+            break;
         if (len != sizeof(StagedVote)) {
             free(val);
             st = ddpc_error(DDPC_ERR_PROTOCOL, "%s holds %zu bytes, not %zu: another job shares "
@@ -1411,7 +1450,7 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
     /* Second vote: did every rank map the segment? Then rank 0 removes its name. */
     int enabled = 0;
     st = yes_vote(g, deadline, "staged/mapped", all_ok, &enabled, why, sizeof why,
-                  "could not map it");
+                  "could not map it", "setting up the staged all-reduce with its peers");
     if (s) ddpc_staged_unlink(s);
     if (st != DDPC_OK || !enabled) {
         if (s) ddpc_staged_close(s, 0, 0);
@@ -2144,8 +2183,10 @@ static void nccl_destroy(DdpcGroup *g) {
             close_comm(im, comm);
         }
     }
-    /* After the communicator: fast calls queued behind a stuck NCCL work can drain now. */
+    /* After the communicator: fast calls queued behind a stuck NCCL work can drain now, and the
+     * windows' memory (registered with it) can go. */
     fast_teardown(im);
+    windows_free(im);
     pthread_mutex_lock(&im->mu);
     DdpcStaged *staged = im->staged; /* the abort hook looks at it under mu */
     im->staged = NULL;
@@ -2177,6 +2218,114 @@ static ddpc_status on_device(NcclImpl *im, ddpc_status (*fn)(NcclImpl *, void *)
     if (prev != im->device) DDPC_CUDACHECK(cudaSetDevice(im->device));
     ddpc_status st = fn(im, arg);
     return restore_device(prev, im->device, st);
+}
+
+/* ---------------------------------------------------------------- symmetric windows */
+
+/* Frees every window's memory. After the communicator is gone (its abort released the
+ * registrations), or before it ever used them. */
+static void windows_free(NcclImpl *im) {
+    while (im->windows) {
+        NcclWindow *w = im->windows;
+        im->windows = w->next;
+        ncclResult_t r = g_api.MemFree(w->ptr);
+        if (r != ncclSuccess)
+            DDPC_INFO("NCCL", "rank %d: ncclMemFree of a %zu-byte window failed: %s", im->g->rank,
+                      w->bytes, g_api.GetErrorString(r));
+        free(w);
+    }
+}
+
+typedef struct {
+    size_t bytes;
+    void *ptr;
+} WindowArgs;
+
+/* Every rank allocates with ncclMemAlloc, votes through the store whether it could (so that no
+ * rank enters the registration, which waits for all, when another will not), then registers it
+ * as a symmetric window. Posts queued by the posting thread go first: NCCL calls on one
+ * communicator come from one thread at a time (comm_mu). */
+static ddpc_status window_alloc_on(NcclImpl *im, void *arg) {
+    WindowArgs *a = arg;
+    DdpcGroup *g = im->g;
+    int64_t deadline = ddpc_deadline(g->timeout_ms);
+    char why[256] = "", name[64];
+    int n = im->nwindows_made++;
+    void *ptr = NULL;
+    int can = g_api.MemAlloc && g_api.MemFree && g_api.CommWindowRegister && g_code >= 22700;
+    if (!can)
+        snprintf(why, sizeof why, "NCCL %s has no symmetric windows: they need 2.27 or newer",
+                 g_version);
+    if (can) {
+        ncclResult_t r = g_api.MemAlloc(&ptr, a->bytes);
+        if (r != ncclSuccess) {
+            snprintf(why, sizeof why, "ncclMemAlloc of %zu bytes on cuda:%d failed: %s",
+                     a->bytes, im->device, g_api.GetErrorString(r));
+            ptr = NULL;
+            can = 0;
+        }
+    }
+    ddpc_status st = DDPC_OK;
+    if (im->poster_started && (st = wait_posted(im, NULL)) != DDPC_OK) goto fail;
+    snprintf(name, sizeof name, "nccl/window/%d", n);
+    char others[256] = "";
+    int all = 0;
+    st = yes_vote(g, deadline, name, can, &all, others, sizeof others,
+                  "could not allocate its part", "allocating a symmetric window with its peers");
+    if (st != DDPC_OK) goto fail;
+    if (!all) {
+        st = ddpc_error(DDPC_ERR_UNAVAILABLE, "symmetric window #%d (%zu bytes) on rank %d: %s",
+                        n, a->bytes, g->rank, why[0] ? why : others);
+        goto fail;
+    }
+    NcclWindow *w = calloc(1, sizeof *w);
+    if (!w) {
+        st = ddpc_error(DDPC_ERR_NOMEM, "out of host memory recording a symmetric window");
+        request_abort(im, st, ddpc_last_error()); /* (the peers are about to register) */
+        goto fail;
+    }
+    pthread_mutex_lock(&im->comm_mu);
+    ncclResult_t r = im->comm ? g_api.CommWindowRegister(im->comm, ptr, a->bytes, &w->win,
+                                                         NCCL_WIN_COLL_SYMMETRIC)
+                              : ncclSuccess;
+    int gone = im->comm == NULL;
+    pthread_mutex_unlock(&im->comm_mu);
+    if (gone || r != ncclSuccess) {
+        free(w);
+        if (gone) {
+            st = aborted_error(im, "registering a symmetric window");
+        } else {
+            st = nccl_fail(r, "ncclCommWindowRegister", __FILE__, __LINE__);
+            request_abort(im, st, ddpc_last_error()); /* the peers may be waiting inside it */
+        }
+        goto fail;
+    }
+    w->ptr = ptr;
+    w->bytes = a->bytes;
+    w->next = im->windows;
+    im->windows = w;
+    a->ptr = ptr;
+    DDPC_INFO("NCCL", "rank %d: symmetric window #%d, %zu bytes at %p", g->rank, n, a->bytes, ptr);
+    return DDPC_OK;
+fail:
+    if (ptr) {
+        ncclResult_t fr = g_api.MemFree(ptr);
+        if (fr != ncclSuccess)
+            DDPC_INFO("NCCL", "ncclMemFree after a failed window failed: %s",
+                      g_api.GetErrorString(fr));
+    }
+    return st;
+}
+
+static ddpc_status nccl_window_alloc(DdpcGroup *g, size_t bytes, void **out) {
+    NcclImpl *im = g->impl;
+    *out = NULL;
+    if (!im) return no_impl(g);
+    if (atomic_load(&g->aborted)) return aborted_error(im, "allocating a symmetric window");
+    WindowArgs a = {.bytes = bytes};
+    DDPC_CHECK(on_device(im, window_alloc_on, &a));
+    *out = a.ptr;
+    return DDPC_OK;
 }
 
 static ddpc_status trace_start_on(NcclImpl *im, void *arg) {
@@ -2264,6 +2413,7 @@ const DdpcBackendOps ddpc_backend_nccl = {
     .trace_mark = nccl_trace_mark,
     .trace_stop = nccl_trace_stop,
     .trace_collect = nccl_trace_collect,
+    .window_alloc = nccl_window_alloc,
 };
 
 #else /* !DDPC_WITH_CUDA */

@@ -88,6 +88,13 @@ ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc
                       DDPC_NO_CUDA_HINT, n, ddpc_dtype_name(src_dt), ddpc_dtype_name(dst_dt));
 }
 
+ddpc_status ddpc_device_cast_many_scaled(int n, void *const *dsts, ddpc_dtype dst_dt,
+                                         const void *const *srcs, ddpc_dtype src_dt,
+                                         const size_t *counts, float scale, uintptr_t stream) {
+    (void)scale;
+    return ddpc_device_cast_many(n, dsts, dst_dt, srcs, src_dt, counts, stream);
+}
+
 ddpc_status ddpc_device_cast_many(int n, void *const *dsts, ddpc_dtype dst_dt,
                                   const void *const *srcs, ddpc_dtype src_dt,
                                   const size_t *counts, uintptr_t stream) {

@@ -251,6 +251,13 @@ size_t ddpc_group_staged_min_bytes(const DdpcGroup *g);
 /* How many collectives so far a backend thread issued for their caller (DdpcCollArgs.defer);
  * 0 on the cpu backend, which has no such thread. */
 uint64_t ddpc_group_deferred_count(DdpcGroup *g);
+/* Collective (every rank, in the same order, with the same size): `bytes` of device memory from
+ * ncclMemAlloc on this rank's GPU, registered with the group's communicator as a symmetric
+ * window (NCCL 2.27 or newer), where NCCL's all-reduce runs its symmetric kernels (sum only):
+ * they read the peers' memory directly instead of staging through NCCL's buffers. The memory
+ * lives until the group is destroyed. DDPC_ERR_UNAVAILABLE on every rank when any rank could
+ * not allocate it (the cpu backend, an older NCCL, out of memory), with the reason. */
+ddpc_status ddpc_group_window_alloc(DdpcGroup *g, size_t bytes, void **out);
 
 /* The device timeline of a group's collectives (nccl backend): while a trace is on, each
  * collective records CUDA events at five points, and a mark records one on a given stream.
@@ -372,6 +379,11 @@ ddpc_status ddpc_reducer_mark_ready_grad(DdpcReducer *r, int i, const void *src,
  * bucket reduced in another dtype needs it from its first gradient of a step to the end of
  * finalize, and it may not change while the bucket is in use. */
 ddpc_status ddpc_reducer_set_bucket_wire(DdpcReducer *r, int b, void *comm_buf);
+/* Bucket b's wire is summed rather than averaged (summed 1; 0: averaged, the default), and the
+ * cast back divides by the world size: for a wire in an NCCL symmetric window
+ * (ddpc_group_window_alloc), whose kernels only sum. A device wire bucket only; not while the
+ * bucket is in use. */
+ddpc_status ddpc_reducer_set_bucket_summed(DdpcReducer *r, int b, int summed);
 /* What parameter i's bucket has now, read in one go (0 for an index out of range). */
 #define DDPC_PARAM_HAS_MEMORY 1 /* memory: given and not released since (or nothing to hold) */
 #define DDPC_PARAM_WIRE_BUCKET 2 /* reduced in another dtype, through a wire buffer */
@@ -449,6 +461,11 @@ ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc
 ddpc_status ddpc_device_cast_many(int n, void *const *dsts, ddpc_dtype dst_dt,
                                   const void *const *srcs, ddpc_dtype src_dt,
                                   const size_t *counts, uintptr_t stream);
+/* The same, each element multiplied by scale on the way (in the wider of the two dtypes): the
+ * reducer's casts back from a wire that NCCL summed rather than averaged. */
+ddpc_status ddpc_device_cast_many_scaled(int n, void *const *dsts, ddpc_dtype dst_dt,
+                                         const void *const *srcs, ddpc_dtype src_dt,
+                                         const size_t *counts, float scale, uintptr_t stream);
 /* dst[i] = (dst[i] + srcs[0][i] + ... + srcs[nsrc-1][i]) / div for the float dtypes, summed in
  * float (double for float64) and rounded once; div 1 is a plain sum. At most
  * DDPC_DEVICE_REDUCE_MAX_SRCS sources, none overlapping dst. */

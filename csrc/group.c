@@ -290,6 +290,16 @@ size_t ddpc_group_fast_max_bytes(const DdpcGroup *g) { return g->fast_max_bytes;
 size_t ddpc_group_staged_min_bytes(const DdpcGroup *g) { return g->staged_min_bytes; }
 uint64_t ddpc_group_deferred_count(DdpcGroup *g) { return atomic_load(&g->n_deferred); }
 
+ddpc_status ddpc_group_window_alloc(DdpcGroup *g, size_t bytes, void **out) {
+    *out = NULL;
+    if (!bytes)
+        return ddpc_error(DDPC_ERR_INVALID, "a symmetric window of 0 bytes: ask for at least one");
+    if (!g->ops->window_alloc)
+        return ddpc_error(DDPC_ERR_UNAVAILABLE, "the %s backend has no symmetric windows: they "
+                          "need the nccl backend", g->ops->name);
+    return g->ops->window_alloc(g, bytes, out);
+}
+
 static ddpc_status no_trace(const DdpcGroup *g) {
     return ddpc_error(DDPC_ERR_INVALID, "the %s backend keeps no device timeline: tracing "
                       "collectives needs the nccl backend (CUDA tensors, "

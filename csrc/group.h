@@ -49,6 +49,8 @@ typedef struct DdpcBackendOps {
     ddpc_status (*trace_stop)(DdpcGroup *g, void **detached);
     ddpc_status (*trace_collect)(DdpcGroup *g, void *detached, DdpcTraceRow **rows, size_t *n,
                                  uint64_t *dropped);
+    /* Optional (nccl): ddpc_group_window_alloc. */
+    ddpc_status (*window_alloc)(DdpcGroup *g, size_t bytes, void **out);
 } DdpcBackendOps;
 
 struct DdpcGroup {

@@ -307,6 +307,7 @@ struct ManyArgs {
     size_t n[kMany];
     unsigned start[kMany + 1];
     int count;
+    float scale; /* every element is multiplied by it (1: a plain cast) */
 };
 
 /* An array whose source and destination are both aligned to a Pack (as torch's allocations and
@@ -317,6 +318,7 @@ struct ManyArgs {
 template <typename Dst, typename Src>
 __global__ void __launch_bounds__(kBlock) cast_many_kernel(ManyArgs a) {
     using A = acc_t<Dst, Src>;
+    const A scale = static_cast<A>(a.scale);
     unsigned b = blockIdx.x;
     int t = 0;
     while (t + 1 < a.count && a.start[t + 1] <= b) t++;
@@ -342,17 +344,17 @@ __global__ void __launch_bounds__(kBlock) cast_many_kernel(ManyArgs a) {
             if (i < npack) {
                 Pack<Dst> o;
 #pragma unroll
-                for (int e = 0; e < kVec; e++) o.v[e] = cast_one<Dst, Src>(v[k].v[e], A(1));
+                for (int e = 0; e < kVec; e++) o.v[e] = cast_one<Dst, Src>(v[k].v[e], scale);
                 out[i] = o;
             }
         }
         /* the array's last n % kVec elements, in its last chunk */
         size_t tail = from + npack * kVec + threadIdx.x;
-        if (tail < to) dst[tail] = cast_one<Dst, Src>(src[tail], A(1));
+        if (tail < to) dst[tail] = cast_one<Dst, Src>(src[tail], scale);
         return;
     }
     for (size_t i = from + threadIdx.x; i < to; i += blockDim.x)
-        dst[i] = cast_one<Dst, Src>(src[i], A(1));
+        dst[i] = cast_one<Dst, Src>(src[i], scale);
 }
 
 template <typename Dst, typename Src>
@@ -494,6 +496,12 @@ ddpc_status ddpc_device_reduce_into(void *dst, const void *const *srcs, int nsrc
 ddpc_status ddpc_device_cast_many(int n, void *const *dsts, ddpc_dtype dst_dt,
                                   const void *const *srcs, ddpc_dtype src_dt,
                                   const size_t *counts, uintptr_t stream) {
+    return ddpc_device_cast_many_scaled(n, dsts, dst_dt, srcs, src_dt, counts, 1.0f, stream);
+}
+
+ddpc_status ddpc_device_cast_many_scaled(int n, void *const *dsts, ddpc_dtype dst_dt,
+                                         const void *const *srcs, ddpc_dtype src_dt,
+                                         const size_t *counts, float scale, uintptr_t stream) {
     if (!is_float_dtype(dst_dt) || !is_float_dtype(src_dt))
         return ddpc_error(DDPC_ERR_INVALID,
                           "device cast of many arrays, %s -> %s: only float32, float64, float16 "
@@ -504,6 +512,7 @@ ddpc_status ddpc_device_cast_many(int n, void *const *dsts, ddpc_dtype dst_dt,
     size_t dsz = ddpc_dtype_size(dst_dt), ssz = ddpc_dtype_size(src_dt);
     cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
     ManyArgs a = {};
+    a.scale = scale;
     for (int k = 0; k <= n; k++) {
         /* Flush when the table is full, the grid would grow past what one launch takes, or at
          * the end. */
@@ -518,6 +527,7 @@ ddpc_status ddpc_device_cast_many(int n, void *const *dsts, ddpc_dtype dst_dt,
             }
             if (r != DDPC_OK) return r;
             a = ManyArgs{};
+            a.scale = scale;
         }
         if (k == n) break;
         if (!counts[k]) continue;

@@ -688,6 +688,20 @@ static PyObject *Group_get_deferred_count(GroupObject *self, void *c) {
 }
 
 /* trace_start(capacity) */
+/* window_alloc(bytes) -> (address, why): a symmetric window (collective; nccl), or (0, why) */
+static PyObject *Group_window_alloc(GroupObject *self, PyObject *args) {
+    unsigned long long bytes;
+    if (!PyArg_ParseTuple(args, "K", &bytes)) return NULL;
+    if (!group_ready(self)) return NULL;
+    void *ptr = NULL;
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_group_window_alloc(self->g, (size_t)bytes, &ptr));
+    /* Unavailable on every rank alike (the ranks voted): the caller goes on without. */
+    if (st == DDPC_ERR_UNAVAILABLE) return Py_BuildValue("(is)", 0, ddpc_last_error());
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    return Py_BuildValue("(Ks)", (unsigned long long)(uintptr_t)ptr, "");
+}
+
 static PyObject *Group_trace_start(GroupObject *self, PyObject *args) {
     Py_ssize_t capacity;
     if (!PyArg_ParseTuple(args, "n", &capacity)) return NULL;
@@ -773,6 +787,10 @@ static PyMethodDef Group_methods[] = {
      "rows_exchange(grad, grad_dtype, num_rows, width, sorted_ids, perm, n, src, src_dtype, "
      "wire_dtype, cap, buf, buf_bytes, skip, device, stream, keep): the embedding rows' end of "
      "backward (nccl), queued on stream"},
+    {"window_alloc", (PyCFunction)Group_window_alloc, METH_VARARGS,
+     "window_alloc(bytes) -> (address, why): device memory registered as an NCCL symmetric "
+     "window on every rank (collective; it lives as long as the group); address 0 and the "
+     "reason when some rank could not have it"},
     {"trace_start", (PyCFunction)Group_trace_start, METH_VARARGS,
      "trace_start(capacity): record CUDA events at each collective's points from now on (nccl)"},
     {"trace_mark", (PyCFunction)Group_trace_mark, METH_VARARGS,
@@ -1109,6 +1127,15 @@ static PyObject *Reducer_set_bucket_wire(ReducerObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Reducer_set_bucket_summed(ReducerObject *self, PyObject *args) {
+    int b, summed;
+    if (!PyArg_ParseTuple(args, "ip", &b, &summed)) return NULL;
+    if (!reducer_ready(self)) return NULL;
+    ddpc_status st = ddpc_reducer_set_bucket_summed(self->r, b, summed);
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Reducer_release_bucket(ReducerObject *self, PyObject *args) {
     int b;
     if (!PyArg_ParseTuple(args, "i", &b)) return NULL;
@@ -1285,6 +1312,9 @@ static PyMethodDef Reducer_methods[] = {
     {"prepare", (PyCFunction)Reducer_prepare, METH_NOARGS, "start a step"},
     {"mark_ready", (PyCFunction)(void (*)(void))Reducer_mark_ready, METH_FASTCALL,
      "mark_ready(i, stream=0): parameter i's gradient is in its slot"},
+    {"set_bucket_summed", (PyCFunction)Reducer_set_bucket_summed, METH_VARARGS,
+     "set_bucket_summed(b, summed): bucket b's wire is summed and the cast back divides by the "
+     "world size (a wire in a symmetric window)"},
     {"set_bucket_wire", (PyCFunction)Reducer_set_bucket_wire, METH_VARARGS,
      "set_bucket_wire(b, ptr, owner): bucket b's wire buffer for the reducer's life"},
     {"unready", (PyCFunction)Reducer_unready, METH_NOARGS,

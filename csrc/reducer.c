@@ -29,6 +29,8 @@ typedef struct Bucket {
     int nparams;
     void *buf;          /* caller's memory; NULL until given, and while released */
     void *comm_buf;     /* the wire buffer (comm_dtype >= 0), while the caller gives one */
+    int summed;         /* the wire is summed, not averaged, and the cast back divides by the
+                         * world size: NCCL's symmetric kernels only sum (set_bucket_summed) */
     int released;       /* the caller took its memory back until the bucket's gradients arrive */
     int pending;        /* parameters not yet ready this step */
     int ndirect;        /* of them, how many went straight to the wire (see mark_ready_grad) */
@@ -494,6 +496,23 @@ ddpc_status ddpc_reducer_set_bucket_wire(DdpcReducer *r, int b, void *comm_buf) 
     return st;
 }
 
+ddpc_status ddpc_reducer_set_bucket_summed(DdpcReducer *r, int b, int summed) {
+    DDPC_CHECK(check_bucket(r, b));
+    Bucket *bk = &r->buckets[b];
+    if (bk->comm_dtype < 0 || bk->device < 0)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d has no device wire buffer to sum "
+                          "into", b);
+    pthread_mutex_lock(&r->mu);
+    ddpc_status st = DDPC_OK;
+    if (bk->work || (r->step_active && (bk->launched || bk->ndirect > 0)))
+        st = ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d cannot change how it is reduced "
+                        "while it is in use", b);
+    else
+        bk->summed = summed != 0;
+    pthread_mutex_unlock(&r->mu);
+    return st;
+}
+
 ddpc_status ddpc_reducer_release_bucket(DdpcReducer *r, int b) {
     DDPC_CHECK(check_bucket(r, b));
     Bucket *bk = &r->buckets[b];
@@ -575,14 +594,20 @@ ddpc_status ddpc_reducer_prepare(DdpcReducer *r) {
     return DDPC_OK;
 }
 
+/* What the cast back multiplies by: 1, or 1/world for a summed wire. */
+static float back_scale(const DdpcReducer *r, const Bucket *bk) {
+    return bk->summed ? 1.0f / (float)ddpc_group_size(r->g) : 1.0f;
+}
+
 /* Casts elements [off, off + n) of a bucket-shaped array into another (host or device). */
 static ddpc_status cast_slots(const Bucket *bk, void *dst, ddpc_dtype dst_dt, const void *src,
-                              ddpc_dtype src_dt, size_t off, size_t n, uintptr_t stream) {
+                              ddpc_dtype src_dt, size_t off, size_t n, float scale,
+                              uintptr_t stream) {
     if (!n) return DDPC_OK;
     void *d = (char *)dst + off * ddpc_dtype_size(dst_dt);
     const void *s = (const char *)src + off * ddpc_dtype_size(src_dt);
     if (bk->device < 0) return ddpc_convert_host(d, dst_dt, s, src_dt, n);
-    return ddpc_device_cast(d, dst_dt, s, src_dt, n, 1.0f, stream);
+    return ddpc_device_cast(d, dst_dt, s, src_dt, n, scale, stream);
 }
 
 /* Casts between each wire slot of bk and where its parameter's gradient lies, for the
@@ -605,7 +630,9 @@ static ddpc_status cast_params(DdpcReducer *r, const Bucket *bk, int direct, int
                 for (int k = 0; k < n; k++)
                     DDPC_CHECK(ddpc_convert_host(dsts[k], ddt, srcs[k], sdt, counts[k]));
             } else {
-                DDPC_CHECK(ddpc_device_cast_many(n, dsts, ddt, srcs, sdt, counts, stream));
+                DDPC_CHECK(ddpc_device_cast_many_scaled(n, dsts, ddt, srcs, sdt, counts,
+                                                        to_wire ? 1.0f : back_scale(r, bk),
+                                                        stream));
             }
             n = 0;
         }
@@ -717,7 +744,7 @@ static ddpc_status to_wire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
     if (bk->ndue) DDPC_CHECK(cast_params(r, bk, 1, 1, r->due, stream));
     if (bk->ndirect == 0)
         DDPC_CHECK(cast_slots(bk, bk->comm_buf, (ddpc_dtype)bk->comm_dtype, bk->buf, bk->dtype, 0,
-                              bk->count, stream));
+                              bk->count, 1.0f, stream));
     else /* the gradients in their slots join those cast to the wire on arrival */
         DDPC_CHECK(cast_params(r, bk, 0, 1, NULL, stream));
     dues_queued(r, bk, 1);
@@ -791,7 +818,8 @@ static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
     int early = wire && bk->device >= 0 && r->early_back && !before;
     DdpcCollArgs a = {
         .op = DDPC_COLL_ALLREDUCE, .send = NULL, .recv = wire ? bk->comm_buf : bk->buf,
-        .count = bk->count, .dtype = dt, .redop = DDPC_AVG, .root = 0, .device = bk->device,
+        .count = bk->count, .dtype = dt, .redop = bk->summed ? DDPC_SUM : DDPC_AVG, .root = 0,
+        .device = bk->device,
         .stream = stream, .before = before ? wire_before : NULL,
         .after = before ? unwire_after : early ? unwire_early : NULL, .hook_ctx = bk,
         .defer = r->defer && !before,
@@ -1015,7 +1043,7 @@ static ddpc_status zero_unready(DdpcReducer *r, Bucket *bk, uintptr_t stream, in
 static ddpc_status unwire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
     if (bk->ndirect < bk->nparams)
         DDPC_CHECK(cast_slots(bk, bk->buf, bk->dtype, bk->comm_buf, (ddpc_dtype)bk->comm_dtype, 0,
-                              bk->count, stream));
+                              bk->count, back_scale(r, bk), stream));
     return bk->ndirect ? cast_params(r, bk, 1, 0, NULL, stream) : DDPC_OK;
 }
 

@@ -71,6 +71,10 @@ static const Setting SETTINGS[] = {
     {"DDPC_TAIL_BUCKET_MB", KIND_NUMBER, 0, 1e9, {NULL},
      "the MiB of buckets of their own for the gradients that complete last (0 or unset: "
      "none); every rank must set the same value"},
+    {"DDPC_NCCL_WINDOW_MB", KIND_NUMBER, 0, 1e9, {NULL},
+     "the most MiB of NCCL symmetric windows wrap_model holds the bf16/fp16 wires of its "
+     "buckets in (all but the last bucket, as many as fit; 0 or unset: none; NCCL 2.27 or "
+     "newer); every rank must set the same value"},
     {"DDPC_CAST_BACK", KIND_CHOICE, 0, 0, {"end", "early", NULL},
      "end (the default): bf16/fp16 buckets are cast back to the gradients' dtype at the end of "
      "backward, on the caller's stream; early: as soon as each all-reduce is done, on a stream "

@@ -684,3 +684,13 @@ def test_comm_trace_refuses_the_cpu_backend_and_bad_capacities(world_one):
             call()
     with pytest.raises(ValueError, match="at least one row"):
         g.trace_start(0)
+
+
+def test_symmetric_windows_need_the_nccl_backend(world_one):
+    """A symmetric window (DDPC_NCCL_WINDOW_MB) is NCCL's: the cpu backend answers with the
+    reason and no address, which wrap_model takes as "none"; 0 bytes is a bad argument."""
+    g = world_one.distributed._default_group()
+    ptr, why = g.window_alloc(1 << 20)
+    assert ptr == 0 and "cpu backend has no symmetric windows" in why, (ptr, why)
+    with pytest.raises(ValueError, match="0 bytes"):
+        g.window_alloc(0)

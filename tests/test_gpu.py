@@ -604,6 +604,60 @@ def _w_objects(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Di
     return {"failures": failures}
 
 
+def _w_window(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dict[str, Any]:
+    """DDPC_NCCL_WINDOW_MB: the bf16 wires of the buckets before the last lie in an NCCL
+    symmetric window, summed there and divided on the way back. Two wrappers of the same model,
+    one with a window that holds two of its buckets and one without, fed the same batches: the
+    same gradients, bit for bit (with 2 ranks the sum of two bf16 values divided by 2 rounds as
+    their average does)."""
+    from ddpc import distributed as dist
+    failures = []
+    g = dist._default_group()
+    raised = False
+    try:
+        g.window_alloc(0)
+    except ValueError as e:
+        raised = "0 bytes" in str(e)
+    if not raised:
+        failures.append("window_alloc(0) did not raise a ValueError naming 0 bytes")
+    dev = ddpc.device()
+
+    def make():
+        torch.manual_seed(0)
+        # Layers of 1M parameters: 2 MiB bf16 wires, past the one-shot path's 1 MiB
+        return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(5)]).to(dev)
+    os.environ["DDPC_NCCL_WINDOW_MB"] = "5"  # room for two of the buckets
+    try:
+        a = ddpc.wrap_model(make(), bucket_cap_mb=4.5, grad_dtype=torch.bfloat16)
+    finally:
+        del os.environ["DDPC_NCCL_WINDOW_MB"]
+    b = ddpc.wrap_model(make(), bucket_cap_mb=4.5, grad_dtype=torch.bfloat16)
+    placed = sum(x is not None for x in a._window_at)
+    if a._window_bytes != 5 << 20 or placed != 2 or b._window_bytes or any(b._window_at):
+        failures.append(f"window {a._window_bytes} bytes holding {placed} buckets of "
+                        f"{len(a._window_at)}; the plain wrapper's {b._window_bytes}")
+    gen = torch.Generator(device=dev).manual_seed(100 + rank)
+    for step in range(4):
+        x = torch.randn(64, 1024, device=dev, generator=gen)
+        for m in (a, b):
+            m.zero_grad(set_to_none=step % 2 == 0)
+            m(x).square().mean().backward()
+        for (name, pa), pb in zip(a.module.named_parameters(), b.module.parameters()):
+            if not torch.equal(pa.grad, pb.grad):
+                d = (pa.grad - pb.grad).abs().max().item()
+                failures.append(f"step {step}: {name}'s gradient differs by up to {d:g}")
+        if step == 3 and not all(torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+                                 for p in a.parameters()):
+            failures.append("a gradient is zero or not finite")
+    torch.cuda.synchronize()
+    return {"failures": failures}
+
+
+@needs_2
+def test_symmetric_window_buckets_match_the_default_wires():
+    _assert_no_failures(_run_ranks(_w_window))
+
+
 @needs_2
 def test_object_collectives_on_gpus():
     _assert_no_failures(_run_ranks(_w_objects))

@@ -19,6 +19,7 @@ import hashlib
 import os
 import sys
 import time
+import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -308,6 +309,7 @@ class DistributedModel(torch.nn.Module):
                 ("grad_dtype", str(grad_dtype).replace("torch.", "")),
                 ("broadcast_buffers", str(broadcast_buffers)),
                 ("DDPC_TAIL_BUCKET_MB", _env_number("DDPC_TAIL_BUCKET_MB")),
+                ("DDPC_NCCL_WINDOW_MB", _env_number("DDPC_NCCL_WINDOW_MB")),
                 ("DDPC_EMBEDDING_ROWS", os.environ.get("DDPC_EMBEDDING_ROWS") or "auto")])
             if self._world > 1:
                 _broadcast_flat([p.data for p in module.parameters()] + list(module.buffers()),
@@ -326,6 +328,11 @@ class DistributedModel(torch.nn.Module):
         self._buckets: List[Optional[torch.Tensor]] = []
         # Per parameter: its slot in its bucket, None while the bucket is released.
         self._views: List[Optional[torch.Tensor]] = []
+        # DDPC_NCCL_WINDOW_MB: one NCCL symmetric window, made at the first build, holds the
+        # wires of the buckets before the last (_place_windows); 0: not made or not available.
+        self._window_cap = float(_C.setting("DDPC_NCCL_WINDOW_MB") or 0)
+        self._window, self._window_bytes = None, 0
+        self._window_at: List[Optional[int]] = []
         self._build_buckets()
         self._is_cuda = [p.device.type == "cuda" for p in self._params]
         # The hooks are C callables (one per parameter, sharing this state): a gradient already
@@ -457,6 +464,7 @@ class DistributedModel(torch.nn.Module):
         self._wires = [None] * len(specs)
         self._offsets, self._bucket_of, self._members = offsets, bucket_of, members
         self._buckets = [None] * len(specs)
+        self._place_windows(reducer, specs, wires)
         self._parked = [False] * len(specs)
         self._bucket_ptrs = [0] * len(specs)
         self._views = [None] * len(params)
@@ -475,6 +483,39 @@ class DistributedModel(torch.nn.Module):
         self._sync_hooks()
         if old is not None:
             old.close()
+
+    def _place_windows(self, reducer: Any, specs: List[Any], wires: List[Any]) -> None:
+        """With DDPC_NCCL_WINDOW_MB, the wires of the buckets before the last one lie in an NCCL
+        symmetric window, in bucket order while they fit: NCCL reduces them with its symmetric
+        kernels, which read the peer's memory directly and so take less of the memory
+        bandwidth the backward's kernels share. The last bucket (complete only at the end of
+        backward) keeps an ordinary wire: alone, NCCL's ring kernels are faster for large
+        messages. Those kernels only sum, so the reducer sums these buckets and divides on the
+        way back. The window is made once, at the first build (every rank builds the same
+        buckets: a collective), holding what that build's buckets want up to the cap."""
+        self._window_at = [None] * len(specs)
+        if not self._window_cap or self._device.type != "cuda" or self._world < 2 \
+                or self._group.backend != "nccl":
+            return
+        want = {b: -(-specs[b][0] * wires[b].itemsize // 4096) * 4096
+                for b in range(len(specs) - 1) if wires[b] is not None}
+        if self._window is None:
+            size = min(int(self._window_cap * (1 << 20)), sum(want.values()))
+            self._window = 0
+            if size > 0:
+                with _on(self._device):
+                    ptr, why = self._group.window_alloc(size)
+                if ptr:
+                    self._window, self._window_bytes = ptr, size
+                else:
+                    warnings.warn(f"ddpc: DDPC_NCCL_WINDOW_MB is set, but {why}; the buckets "
+                                  f"are reduced as without it", stacklevel=3)
+        used = 0
+        for b, size in want.items():
+            if self._window and used + size <= self._window_bytes:
+                self._window_at[b] = self._window + used
+                reducer.set_bucket_summed(b, True)
+                used += size
 
     def _allocate_bucket(self, b: int, grad: Optional[torch.Tensor] = None,
                          zero: bool = True) -> None:
@@ -520,6 +561,10 @@ class DistributedModel(torch.nn.Module):
         dtype = self._wire_dtypes[b]
         if dtype is None or self._wires[b] is not None:
             return
+        if self._window_at[b] is not None:
+            self._reducer.set_bucket_wire(b, self._window_at[b], None)
+            self._wires[b] = self._window_at[b]  # (an address: nothing to give back)
+            return
         count, _, device = self._bucket_specs[b]
         wire = torch.empty(count, dtype=dtype, device=device)
         self._reducer.set_bucket_wire(b, wire.data_ptr(), wire)
@@ -542,7 +587,7 @@ class DistributedModel(torch.nn.Module):
         stream = torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
         for b, wire in enumerate(self._wires):
             if wire is not None:
-                if stream is not None:
+                if stream is not None and isinstance(wire, torch.Tensor):
                     wire.record_stream(stream)
                 self._reducer.set_bucket_wire(b, 0, None)
                 self._wires[b] = None

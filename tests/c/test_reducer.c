@@ -62,12 +62,15 @@ size_t ddpc_group_staged_min_bytes(const DdpcGroup *g) {
     return g_staged_min;
 }
 
+/* The pretended other rank contributes 1 to every element: an average gives (x + 1) / 2, a sum
+ * (a summed wire bucket's) x + 1. */
 ddpc_status ddpc_work_wait(DdpcWork *w) {
     if (!w->done) {
         w->done = 1;
+        float div = w->args.redop == DDPC_SUM ? 1.0f : 2.0f;
         if (w->args.dtype == DDPC_FLOAT32) {
             float *p = w->args.recv;
-            for (size_t i = 0; i < w->args.count; i++) p[i] = (p[i] + 1.0f) / 2.0f;
+            for (size_t i = 0; i < w->args.count; i++) p[i] = (p[i] + 1.0f) / div;
         } else if (w->args.dtype == DDPC_FLOAT64) {
             double *p = w->args.recv;
             for (size_t i = 0; i < w->args.count; i++) p[i] = (p[i] + 1.0) / 2.0;
@@ -76,7 +79,7 @@ ddpc_status ddpc_work_wait(DdpcWork *w) {
                 uint16_t *e = (uint16_t *)w->args.recv + i;
                 float x;
                 ddpc_convert_host(&x, DDPC_FLOAT32, e, DDPC_BFLOAT16, 1);
-                x = (x + 1.0f) / 2.0f;
+                x = (x + 1.0f) / div;
                 ddpc_convert_host(e, DDPC_BFLOAT16, &x, DDPC_FLOAT32, 1);
             }
         }
@@ -95,6 +98,10 @@ void ddpc_work_release(DdpcWork *w) {
 
 uint64_t ddpc_work_seq(const DdpcWork *w) { return w->seq; }
 int ddpc_group_rank(const DdpcGroup *g) { return g->rank; }
+int ddpc_group_size(const DdpcGroup *g) {
+    (void)g;
+    return 2; /* (this rank and the pretended other one) */
+}
 
 /* The device helpers, on host memory: each launch is logged with its stream. */
 #define MAX_LAUNCH 256
@@ -115,10 +122,20 @@ ddpc_status ddpc_device_zero(void *p, size_t b, uintptr_t s) {
     memset(p, 0, b);
     return log_launch(s);
 }
+/* A cast with a scale, into float32 only (the reducer's casts back from a summed wire). */
+static ddpc_status scale_after(void *d, ddpc_dtype dd, size_t n, float sc) {
+    if (sc == 1.0f) return DDPC_OK;
+    if (dd != DDPC_FLOAT32)
+        return ddpc_error(DDPC_ERR_INVALID, "fake: scaled casts into %s are not faked",
+                          ddpc_dtype_name(dd));
+    for (size_t i = 0; i < n; i++) ((float *)d)[i] *= sc;
+    return DDPC_OK;
+}
+
 ddpc_status ddpc_device_cast(void *d, ddpc_dtype dd, const void *s, ddpc_dtype sd, size_t n,
                              float sc, uintptr_t st) {
-    if (sc != 1.0f) return ddpc_error(DDPC_ERR_INVALID, "fake: scaled casts are not faked");
     ddpc_status e = ddpc_convert_host(d, dd, s, sd, n);
+    if (e == DDPC_OK) e = scale_after(d, dd, n, sc);
     return e != DDPC_OK ? e : log_launch(st);
 }
 
@@ -126,6 +143,17 @@ ddpc_status ddpc_device_cast_many(int n, void *const *d, ddpc_dtype dd, const vo
                                   ddpc_dtype sd, const size_t *c, uintptr_t st) {
     for (int k = 0; k < n; k++) {
         ddpc_status e = ddpc_convert_host(d[k], dd, s[k], sd, c[k]);
+        if (e != DDPC_OK) return e;
+    }
+    return n ? log_launch(st) : DDPC_OK;
+}
+
+ddpc_status ddpc_device_cast_many_scaled(int n, void *const *d, ddpc_dtype dd,
+                                         const void *const *s, ddpc_dtype sd, const size_t *c,
+                                         float sc, uintptr_t st) {
+    for (int k = 0; k < n; k++) {
+        ddpc_status e = ddpc_convert_host(d[k], dd, s[k], sd, c[k]);
+        if (e == DDPC_OK) e = scale_after(d[k], dd, c[k], sc);
         if (e != DDPC_OK) return e;
     }
     return n ? log_launch(st) : DDPC_OK;
@@ -631,6 +659,54 @@ static void bf16_bucket_free(Bf16Bucket *w) {
     free(w->wire);
 }
 
+/* A summed wire (ddpc_reducer_set_bucket_summed, for a wire in an NCCL symmetric window): the
+ * collective sums, and the casts back, from the wire into the gradients cast from where they
+ * lay and into the bucket's slots, divide by the world size: the same values as the average.
+ * Not while the bucket is in use, and not for a bucket without a device wire. */
+static void test_summed_wire(void) {
+    Bf16Bucket w;
+    if (!bf16_bucket(&w)) return;
+    DdpcReducer *r = w.r;
+    const size_t *off = w.off;
+    float *mem = w.mem;
+    int direct = -1, unused = -1;
+    for (int summed = 1; summed >= 0; summed--) {
+        OK(ddpc_reducer_set_bucket_summed(r, 0, summed));
+        float g0[3] = {2, 2, 2}, g1[5] = {4, 4, 4, 4, 4};
+        OK(ddpc_reducer_prepare(r));
+        OK(ddpc_reducer_mark_ready_grad(r, 0, g0, 0, &direct));
+        EXPECT(ddpc_reducer_set_bucket_summed(r, 0, 1) == DDPC_ERR_INVALID &&
+                   strstr(ddpc_last_error(), "in use"),
+               "changed while in use: %s", ddpc_last_error());
+        OK(ddpc_reducer_mark_ready_grad(r, 1, g1, 0, &direct));
+        for (int k = 0; k < 2; k++) mem[off[2] + k] = 8.0f;
+        OK(ddpc_reducer_mark_ready(r, 2, 0));
+        EXPECT(g_nlog == 1 && g_log[0]->args.redop == (summed ? DDPC_SUM : DDPC_AVG),
+               "summed %d: %d collectives, redop %d", summed, g_nlog,
+               g_nlog ? (int)g_log[0]->args.redop : -1);
+        OK(ddpc_reducer_finalize(r, 0, &unused));
+        EXPECT(g0[0] == 1.5f && g0[2] == 1.5f && g1[4] == 2.5f && mem[off[2] + 1] == 4.5f,
+               "summed %d: after finalize %g %g %g %g", summed, (double)g0[0], (double)g0[2],
+               (double)g1[4], (double)mem[off[2] + 1]);
+        clear_log();
+    }
+    bf16_bucket_free(&w);
+    /* a bucket reduced in its own dtype has no wire to sum */
+    size_t numels[1] = {4};
+    ddpc_dtype dts[1] = {DDPC_FLOAT32};
+    int devs[1] = {0}, order[1] = {0};
+    DdpcReducer *plain = NULL;
+    OK(ddpc_reducer_create(&g_group, 1, numels, dts, devs, order, NULL, 1000, 1000, -1, &plain));
+    if (plain) {
+        EXPECT(ddpc_reducer_set_bucket_summed(plain, 0, 1) == DDPC_ERR_INVALID &&
+                   strstr(ddpc_last_error(), "no device wire"),
+               "a bucket without a wire: %s", ddpc_last_error());
+        EXPECT(ddpc_reducer_set_bucket_summed(plain, 7, 1) == DDPC_ERR_INVALID,
+               "bucket 7 of 1 accepted");
+        ddpc_reducer_destroy(plain);
+    }
+}
+
 /* name=value makes reducer creation fail with DDPC_ERR_INVALID, naming it and `takes` (the
  * values it takes); the variable is unset after. */
 static void expect_setting_refused(const char *name, const char *value, const char *takes) {
@@ -946,6 +1022,7 @@ int main(void) {
     test_mark_ready_grad_to_wire();
     test_device_casts_on_comm_stream();
     test_device_cast_back_early();
+    test_summed_wire();
     test_bad_arguments();
     clear_log();
     return check_summary("test_reducer");
