@@ -89,7 +89,6 @@ typedef struct NcclApi {
     ncclResult_t (*MemFree)(void *ptr);
     ncclResult_t (*CommWindowRegister)(ncclComm_t comm, void *buff, size_t size, void **win,
                                        int flags);
-    ncclResult_t (*CommWindowDeregister)(ncclComm_t comm, void *win);
 } NcclApi;
 #define NCCL_WIN_COLL_SYMMETRIC 0x01
 
@@ -117,7 +116,6 @@ static const struct {
     {"ncclMemAlloc", offsetof(NcclApi, MemAlloc)},
     {"ncclMemFree", offsetof(NcclApi, MemFree)},
     {"ncclCommWindowRegister", offsetof(NcclApi, CommWindowRegister)},
-    {"ncclCommWindowDeregister", offsetof(NcclApi, CommWindowDeregister)},
 };
 
 static pthread_mutex_t g_load_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -418,8 +416,9 @@ typedef struct NcclImpl {
     /* The trace on (ddpc_group_trace_start), or NULL. Taken, started and stopped under g->mu;
      * stopped only after the posting thread has issued what was posted before. */
     DdpcTrace *trace;
-    /* Symmetric windows (ddpc_group_window_alloc): made in the same order on every rank, which
-     * numbers them; guarded by g->mu's callers being one thread at a time (wrap_model). */
+    /* Symmetric windows (ddpc_group_window_alloc), guarded by mu: every rank makes them in the
+     * same order, which numbers them. No window is deregistered: the communicator's abort at
+     * destroy releases the registrations, then windows_free the memory. */
     struct NcclWindow *windows;
     int nwindows_made;
 } NcclImpl;
@@ -2250,7 +2249,9 @@ static ddpc_status window_alloc_on(NcclImpl *im, void *arg) {
     DdpcGroup *g = im->g;
     int64_t deadline = ddpc_deadline(g->timeout_ms);
     char why[256] = "", name[64];
+    pthread_mutex_lock(&im->mu);
     int n = im->nwindows_made++;
+    pthread_mutex_unlock(&im->mu);
     void *ptr = NULL;
     int can = g_api.MemAlloc && g_api.MemFree && g_api.CommWindowRegister && g_code >= 22700;
     if (!can)
@@ -2302,8 +2303,10 @@ static ddpc_status window_alloc_on(NcclImpl *im, void *arg) {
     }
     w->ptr = ptr;
     w->bytes = a->bytes;
+    pthread_mutex_lock(&im->mu);
     w->next = im->windows;
     im->windows = w;
+    pthread_mutex_unlock(&im->mu);
     a->ptr = ptr;
     DDPC_INFO("NCCL", "rank %d: symmetric window #%d, %zu bytes at %p", g->rank, n, a->bytes, ptr);
     return DDPC_OK;
