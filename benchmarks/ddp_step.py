@@ -603,6 +603,14 @@ def _worker(rank, args, ports, results):
                                     lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16),
                                     env={"DDPC_CAST_BACK": "early",
                                          "DDPC_EMBEDDING_ROWS": "1"}))
+    if args.overlap_cast_back:
+        # What casting the bf16 buckets before the last one back beside the last one's
+        # all-reduce, on a stream of their own, saves the end of backward (DDPC_CAST_BACK=overlap,
+        # read when a reducer is made): by default they go after it, on the caller's stream.
+        for k in range(2 if args.control else 1):
+            variants.append(Variant(f"ddpc bf16 overlap cast back{' (control)' if k else ''}",
+                                    lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16),
+                                    env={"DDPC_CAST_BACK": "overlap"}))
     if args.window_mb:
         # What NCCL's symmetric kernels save the backward: the wires of every bucket but the
         # last in one symmetric window (DDPC_NCCL_WINDOW_MB, read when the wrapper is made).
@@ -810,6 +818,10 @@ def main() -> int:
                     help="also run ddpc with bf16 gradients cast back as soon as each bucket's "
                          "all-reduce is done, on a stream of their own (DDPC_CAST_BACK=early), "
                          "instead of at the end of backward")
+    ap.add_argument("--overlap-cast-back", action="store_true",
+                    help="also run ddpc with bf16 gradients whose buckets but the last are cast "
+                         "back at the end of backward beside the last one's all-reduce, on a "
+                         "stream of their own (DDPC_CAST_BACK=overlap; with --control, twice)")
     ap.add_argument("--window-mb", type=float, default=0,
                     help="also run ddpc with bf16 gradients whose buckets but the last are "
                          "all-reduced in an NCCL symmetric window of at most this many MiB "

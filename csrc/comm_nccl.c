@@ -2286,10 +2286,10 @@ static ddpc_status window_alloc_on(NcclImpl *im, void *arg) {
         goto fail;
     }
     pthread_mutex_lock(&im->comm_mu);
-    ncclResult_t r = im->comm ? g_api.CommWindowRegister(im->comm, ptr, a->bytes, &w->win,
-                                                         NCCL_WIN_COLL_SYMMETRIC)
-                              : ncclSuccess;
+    ncclResult_t r = ncclSuccess;
     int gone = im->comm == NULL;
+    if (!gone)
+        r = g_api.CommWindowRegister(im->comm, ptr, a->bytes, &w->win, NCCL_WIN_COLL_SYMMETRIC);
     pthread_mutex_unlock(&im->comm_mu);
     if (gone || r != ncclSuccess) {
         free(w);

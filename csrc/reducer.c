@@ -12,6 +12,8 @@
 
 enum { DUE_CAST = 1, DUE_COPY = 2 };
 enum { UNWIRED_COMM = 1, UNWIRED_BACK = 2 };
+/* DDPC_CAST_BACK, in the order of its choices */
+enum { CAST_BACK_END = 0, CAST_BACK_EARLY = 1, CAST_BACK_OVERLAP = 2 };
 
 /* Gradients to be copied into a bucket wait for each other only while they hold this many bytes:
  * each keeps the tensor autograd made alive until then, and training on one GPU frees it at once.
@@ -74,8 +76,10 @@ struct DdpcReducer {
                            * DDPC_NCCL_POST_THREAD=0 when the reducer is made: not) */
     int comm_casts;       /* DDPC_COMM_CASTS=1: device wire buckets cast on the communication
                            * stream (see wire_before); else on the caller's, back at finalize */
-    int early_back;       /* DDPC_CAST_BACK=early: device wire buckets cast back on back_stream
-                           * as soon as their collective is done (see unwire_early) */
+    int cast_back;        /* DDPC_CAST_BACK: CAST_BACK_EARLY: device wire buckets cast back on
+                           * back_stream as soon as their collective is done (see unwire_early);
+                           * CAST_BACK_OVERLAP: there at finalize, beside the last bucket's
+                           * collective (see unwire_beside_last) */
     uintptr_t back_stream; /* made by the first such cast back; 0 until then */
     int *seen;            /* parameters in the order they became ready */
     int nseen;
@@ -318,8 +322,7 @@ ddpc_status ddpc_reducer_create(DdpcGroup *g, int nparams, const size_t *numels,
     DDPC_CHECK_GOTO(ddpc_setting_flag("DDPC_GRAD_BATCH", 1, &r->batch), st, fail);
     DDPC_CHECK_GOTO(ddpc_setting_flag("DDPC_NCCL_POST_THREAD", 1, &r->defer), st, fail);
     DDPC_CHECK_GOTO(ddpc_setting_flag("DDPC_COMM_CASTS", 0, &r->comm_casts), st, fail);
-    /* DDPC_CAST_BACK: 0 end (the default), 1 early */
-    DDPC_CHECK_GOTO(ddpc_setting_choice("DDPC_CAST_BACK", &r->early_back), st, fail);
+    DDPC_CHECK_GOTO(ddpc_setting_choice("DDPC_CAST_BACK", &r->cast_back), st, fail);
     size_t tail_bytes = 0;
     DDPC_CHECK_GOTO(tail_bucket_bytes(&tail_bytes), st, fail);
     size_t n = (size_t)nparams;
@@ -815,7 +818,7 @@ static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
     if (st != DDPC_OK)
         return ddpc_error_prefix(st, "reducer: queueing gradient bucket %d's copies and casts "
                                  "(%zu x %s): ", b, bk->count, ddpc_dtype_name(bk->dtype));
-    int early = wire && bk->device >= 0 && r->early_back && !before;
+    int early = wire && bk->device >= 0 && r->cast_back == CAST_BACK_EARLY && !before;
     DdpcCollArgs a = {
         .op = DDPC_COLL_ALLREDUCE, .send = NULL, .recv = wire ? bk->comm_buf : bk->buf,
         .count = bk->count, .dtype = dt, .redop = bk->summed ? DDPC_SUM : DDPC_AVG, .root = 0,
@@ -1047,6 +1050,34 @@ static ddpc_status unwire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
     return bk->ndirect ? cast_params(r, bk, 1, 0, NULL, stream) : DDPC_OK;
 }
 
+/* With DDPC_CAST_BACK=overlap, at finalize: the device wire buckets before the last are cast
+ * back on back_stream, which first waits for the caller's stream (where the backward's kernels
+ * are queued, then the last bucket's casts into the wire) and then for each one's collective. So
+ * they run beside the last bucket's collective, which moves its bytes over the link between the
+ * GPUs, rather than after it (the default) or beside the backward's kernels, whose memory
+ * bandwidth they would take (DDPC_CAST_BACK=early). Called with r->mu held, every bucket
+ * launched. */
+static ddpc_status unwire_beside_last(DdpcReducer *r, uintptr_t stream) {
+    int last = r->nbuckets - 1, any = 0;
+    for (int b = 0; b < last && !any; b++) {
+        const Bucket *bk = &r->buckets[b];
+        any = bk->work && bk->comm_dtype >= 0 && bk->device >= 0 && !bk->unwired;
+    }
+    if (!any) return DDPC_OK;
+    if (!r->back_stream) DDPC_CHECK(ddpc_device_stream_create(&r->back_stream));
+    DDPC_CHECK(ddpc_device_stream_wait(r->back_stream, stream));
+    for (int b = 0; b < last; b++) {
+        Bucket *bk = &r->buckets[b];
+        if (!bk->work || bk->comm_dtype < 0 || bk->device < 0 || bk->unwired) continue;
+        ddpc_status st = ddpc_work_wait_stream(bk->work, r->back_stream);
+        if (st == DDPC_OK) st = unwire(r, bk, r->back_stream);
+        if (st != DDPC_OK)
+            return ddpc_error_prefix(st, "reducer: casting gradient bucket %d back: ", b);
+        bk->unwired = UNWIRED_BACK;
+    }
+    return DDPC_OK;
+}
+
 ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused) {
     ddpc_status st = DDPC_OK;
     int nunused = 0;
@@ -1068,6 +1099,8 @@ ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused)
             DDPC_CHECK_GOTO(zero_unready(r, &r->buckets[b], stream, &nunused), st, out);
     for (; r->next_launch < r->nbuckets; r->next_launch++)
         DDPC_CHECK_GOTO(launch(r, r->next_launch, stream), st, out);
+    if (r->cast_back == CAST_BACK_OVERLAP)
+        DDPC_CHECK_GOTO(unwire_beside_last(r, stream), st, out);
     int back = 0;
     for (int b = 0; b < r->nbuckets; b++) {
         Bucket *bk = &r->buckets[b];

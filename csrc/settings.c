@@ -75,10 +75,11 @@ static const Setting SETTINGS[] = {
      "the most MiB of NCCL symmetric windows wrap_model holds the bf16/fp16 wires of its "
      "buckets in (all but the last bucket, as many as fit; 0 or unset: none; NCCL 2.27 or "
      "newer); every rank must set the same value"},
-    {"DDPC_CAST_BACK", KIND_CHOICE, 0, 0, {"end", "early", NULL},
+    {"DDPC_CAST_BACK", KIND_CHOICE, 0, 0, {"end", "early", "overlap", NULL},
      "end (the default): bf16/fp16 buckets are cast back to the gradients' dtype at the end of "
      "backward, on the caller's stream; early: as soon as each all-reduce is done, on a stream "
-     "of their own"},
+     "of their own; overlap: at the end of backward, all but the last bucket on a stream of "
+     "their own, beside the last bucket's all-reduce"},
     {"DDPC_DEBUG", KIND_LOGLEVEL, 0, 0, {NULL},
      "INFO (or 1): log lines with host:pid:tid; TRACE (or 2): also every collective; OFF (or "
      "0, the default): none"},

@@ -92,7 +92,7 @@ def test_unset_or_empty_flags_take_the_default(clean_env):
     ("DDPC_TAIL_BUCKET_MB", "nan", "use a number from 0 to 1e+09"),
     ("DDPC_TAIL_BUCKET_MB", "-1", "use a number from 0 to 1e+09"),
     ("DDPC_TAIL_BUCKET_MB", "inf", "use a number from 0 to 1e+09"),
-    ("DDPC_CAST_BACK", "soon", "use end or early"),
+    ("DDPC_CAST_BACK", "soon", "use end or early or overlap"),
     ("DDPC_DEBUG", "verbose", "use INFO, TRACE or OFF"),
 ])
 def test_a_value_that_is_not_a_setting_is_refused_with_what_it_takes(clean_env, name, value,

@@ -993,7 +993,7 @@ def test_embedding_rows_setting_is_checked(world_one, monkeypatch):
 
 @pytest.mark.parametrize("name,bad,takes,oks", [
     ("DDPC_COMM_CASTS", "maybe", r"use 1 or 0 .*, or unset it", ("0", "1", "", "yes", "off")),
-    ("DDPC_CAST_BACK", "soon", r"use end or early, or unset it", ("early", "end", "")),
+    ("DDPC_CAST_BACK", "soon", r"use end or early or overlap, or unset it", ("early", "end", "")),
 ])
 def test_bf16_cast_settings_are_checked(world_one, monkeypatch, name, bad, takes, oks):
     """DDPC_COMM_CASTS and DDPC_CAST_BACK (where a bf16 bucket's casts go): anything but their

@@ -914,7 +914,96 @@ static void test_device_cast_back_early(void) {
         free(wire);
     }
     EXPECT(g_streams_made == 1, "a host bucket made a stream");
-    expect_setting_refused("DDPC_CAST_BACK", "now", "use end or early");
+    expect_setting_refused("DDPC_CAST_BACK", "now", "use end or early or overlap");
+}
+
+/* DDPC_CAST_BACK=overlap: two device buckets reduced in bfloat16. Nothing is cast back before
+ * finalize; there, the first bucket goes back on the reducer's own stream, which first waits
+ * for the caller's (the end of the backward's kernels), and the last one on the caller's
+ * stream, which then waits for the reducer's. */
+static void test_device_cast_back_overlap(void) {
+    size_t numels[3] = {3, 5, 2};
+    ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
+    int devs[3] = {0, 0, 0}, order[3] = {0, 1, 2};
+    enum { CALLER = 5 };
+    setenv("DDPC_CAST_BACK", "overlap", 1);
+    g_streams_made = g_streams_destroyed = 0;
+    DdpcReducer *r = NULL;
+    /* buckets of 32 bytes: parameters 0 and 1 (8 floats), then 2 */
+    OK(ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 32, 32, DDPC_BFLOAT16,
+                           &r));
+    unsetenv("DDPC_CAST_BACK");
+    if (!r) return;
+    EXPECT(ddpc_reducer_num_buckets(r) == 2, "%d buckets", ddpc_reducer_num_buckets(r));
+    if (ddpc_reducer_num_buckets(r) != 2) {
+        ddpc_reducer_destroy(r);
+        return;
+    }
+    size_t off[3];
+    int bucket[3];
+    for (int i = 0; i < 3; i++) OK(ddpc_reducer_param_slot(r, i, &bucket[i], &off[i]));
+    EXPECT(bucket[0] == 0 && bucket[1] == 0 && bucket[2] == 1, "buckets %d %d %d", bucket[0],
+           bucket[1], bucket[2]);
+    uint16_t *wire[2];
+    float *mem[2];
+    for (int b = 0; b < 2; b++) {
+        ddpc_dtype dt;
+        int dev;
+        size_t count;
+        OK(ddpc_reducer_bucket_info(r, b, &dt, &dev, &count));
+        wire[b] = calloc(count, sizeof *wire[b]);
+        mem[b] = calloc(count, sizeof(float));
+        OK(ddpc_reducer_set_bucket_memory(r, b, mem[b]));
+        OK(ddpc_reducer_set_bucket_wire(r, b, wire[b]));
+    }
+    for (int step = 0; step < 2; step++) {
+        float g0[3] = {2, 2, 2};
+        int direct = -1, unused = -1;
+        OK(ddpc_reducer_prepare(r));
+        g_nlaunch = 0;
+        g_nwaits = 0;
+        OK(ddpc_reducer_mark_ready_grad(r, 0, g0, CALLER, &direct));
+        for (int k = 0; k < 5; k++) mem[0][off[1] + k] = 4.0f;
+        OK(ddpc_reducer_mark_ready(r, 1, CALLER)); /* (in its slot) */
+        for (int k = 0; k < 2; k++) mem[1][off[2] + k] = 8.0f;
+        OK(ddpc_reducer_mark_ready(r, 2, CALLER));
+        EXPECT(g_nlog == 2, "step %d: %d collectives", step, g_nlog);
+        int launches = g_nlaunch;
+        EXPECT(g0[0] == 2.0f && mem[0][off[1]] == 4.0f, "step %d: cast back before finalize",
+               step);
+        for (int k = 0; k < launches; k++)
+            EXPECT(g_launch_stream[k] == CALLER, "step %d: launch %d of the casts into the wire "
+                   "on stream %lu", step, k, (unsigned long)g_launch_stream[k]);
+        OK(ddpc_reducer_finalize(r, CALLER, &unused));
+        /* bucket 0: its direct gradient and its slot, on the reducer's stream; bucket 1: its
+         * slot, on the caller's */
+        int on_back = 0, on_caller = 0;
+        for (int k = launches; k < g_nlaunch; k++) {
+            on_back += g_launch_stream[k] == BACK_STREAM;
+            on_caller += g_launch_stream[k] == CALLER;
+        }
+        EXPECT(on_back == 2 && on_caller == 1 && g_launch_stream[g_nlaunch - 1] == CALLER,
+               "step %d: casts back %d on the reducer's stream, %d on the caller's", step,
+               on_back, on_caller);
+        int back_after_caller = -1, caller_after_back = -1;
+        for (int k = 0; k < g_nwaits; k++) {
+            if (g_waits[k][0] == BACK_STREAM && g_waits[k][1] == CALLER) back_after_caller = k;
+            if (g_waits[k][0] == CALLER && g_waits[k][1] == BACK_STREAM) caller_after_back = k;
+        }
+        EXPECT(back_after_caller >= 0 && caller_after_back > back_after_caller,
+               "step %d: waits: the reducer's stream after the caller's at %d, the caller's "
+               "after it at %d", step, back_after_caller, caller_after_back);
+        EXPECT(g0[0] == 1.5f && mem[0][off[1] + 4] == 2.5f && mem[1][off[2] + 1] == 4.5f,
+               "step %d: after finalize %g %g %g", step, (double)g0[0],
+               (double)mem[0][off[1] + 4], (double)mem[1][off[2] + 1]);
+        clear_log();
+    }
+    EXPECT(g_streams_made == 1, "%d streams made for two steps", g_streams_made);
+    ddpc_reducer_destroy(r);
+    for (int b = 0; b < 2; b++) {
+        free(wire[b]);
+        free(mem[b]);
+    }
 }
 
 static void test_bad_arguments(void) {
@@ -1022,6 +1111,7 @@ int main(void) {
     test_mark_ready_grad_to_wire();
     test_device_casts_on_comm_stream();
     test_device_cast_back_early();
+    test_device_cast_back_overlap();
     test_summed_wire();
     test_bad_arguments();
     clear_log();
