@@ -886,6 +886,12 @@ def run_all(device_type: str, world: int = 2, wait: float = 240.0) -> Dict[int, 
     # posting thread, rather than on the caller's stream at the end of backward.
     pytest.param((2, {"DDPC_CAST_BACK": "early"}), id="2gpu_early_cast_back",
                  marks=pytest.mark.skipif(not _gpus_ready(2), reason="needs 2 visible GPUs")),
+    # At the end of backward, the buckets before the last cast back on the reducer's own
+    # stream beside the last one's all-reduce; and the wires of the buckets before the last in
+    # an NCCL symmetric window, summed there and divided on the way back.
+    pytest.param((2, {"DDPC_CAST_BACK": "overlap", "DDPC_NCCL_WINDOW_MB": "64"}),
+                 id="2gpu_overlap_cast_back_window",
+                 marks=pytest.mark.skipif(not _gpus_ready(2), reason="needs 2 visible GPUs")),
 ])
 def runs(request) -> Dict[int, Dict[str, Any]]:
     world, env = request.param if isinstance(request.param, tuple) else (request.param, {})
