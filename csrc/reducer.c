@@ -482,38 +482,37 @@ ddpc_status ddpc_reducer_set_bucket_memory(DdpcReducer *r, int b, void *buf) {
     return st;
 }
 
-ddpc_status ddpc_reducer_set_bucket_wire(DdpcReducer *r, int b, void *comm_buf) {
-    DDPC_CHECK(check_bucket(r, b));
+/* Sets bucket b's wire buffer (what 0) or whether it is summed (what 1), which may not change
+ * while the bucket is in use: launched, or holding a gradient cast into the wire. */
+static ddpc_status set_wire_field(DdpcReducer *r, int b, int what, void *comm_buf, int summed) {
     Bucket *bk = &r->buckets[b];
-    if (bk->comm_dtype < 0)
-        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d is reduced in its own dtype and "
-                          "has no wire buffer", b);
     pthread_mutex_lock(&r->mu);
     ddpc_status st = DDPC_OK;
     if (bk->work || (r->step_active && (bk->launched || bk->ndirect > 0)))
-        st = ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d's wire buffer cannot change while "
-                        "it is in use", b);
+        st = ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d's %s cannot change while it is in "
+                        "use", b, what ? "summing" : "wire buffer");
+    else if (what)
+        bk->summed = summed != 0;
     else
         bk->comm_buf = comm_buf;
     pthread_mutex_unlock(&r->mu);
     return st;
 }
 
+ddpc_status ddpc_reducer_set_bucket_wire(DdpcReducer *r, int b, void *comm_buf) {
+    DDPC_CHECK(check_bucket(r, b));
+    if (r->buckets[b].comm_dtype < 0)
+        return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d is reduced in its own dtype and "
+                          "has no wire buffer", b);
+    return set_wire_field(r, b, 0, comm_buf, 0);
+}
+
 ddpc_status ddpc_reducer_set_bucket_summed(DdpcReducer *r, int b, int summed) {
     DDPC_CHECK(check_bucket(r, b));
-    Bucket *bk = &r->buckets[b];
-    if (bk->comm_dtype < 0 || bk->device < 0)
+    if (r->buckets[b].comm_dtype < 0 || r->buckets[b].device < 0)
         return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d has no device wire buffer to sum "
                           "into", b);
-    pthread_mutex_lock(&r->mu);
-    ddpc_status st = DDPC_OK;
-    if (bk->work || (r->step_active && (bk->launched || bk->ndirect > 0)))
-        st = ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d cannot change how it is reduced "
-                        "while it is in use", b);
-    else
-        bk->summed = summed != 0;
-    pthread_mutex_unlock(&r->mu);
-    return st;
+    return set_wire_field(r, b, 1, NULL, summed);
 }
 
 ddpc_status ddpc_reducer_release_bucket(DdpcReducer *r, int b) {
