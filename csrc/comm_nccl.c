@@ -92,9 +92,11 @@ typedef struct NcclApi {
 } NcclApi;
 #define NCCL_WIN_COLL_SYMMETRIC 0x01
 
+/* The entry points ddpc loads; an optional one (a newer NCCL's) may be missing. */
 static const struct {
     const char *name;
     size_t offset;
+    int optional;
 } k_nccl_syms[] = {
     {"ncclGetVersion", offsetof(NcclApi, GetVersion)},
     {"ncclGetUniqueId", offsetof(NcclApi, GetUniqueId)},
@@ -107,15 +109,9 @@ static const struct {
     {"ncclReduceScatter", offsetof(NcclApi, ReduceScatter)},
     {"ncclGetErrorString", offsetof(NcclApi, GetErrorString)},
     {"ncclGetLastError", offsetof(NcclApi, GetLastError)},
-};
-
-static const struct {
-    const char *name;
-    size_t offset;
-} k_nccl_optional_syms[] = {
-    {"ncclMemAlloc", offsetof(NcclApi, MemAlloc)},
-    {"ncclMemFree", offsetof(NcclApi, MemFree)},
-    {"ncclCommWindowRegister", offsetof(NcclApi, CommWindowRegister)},
+    {"ncclMemAlloc", offsetof(NcclApi, MemAlloc), 1},
+    {"ncclMemFree", offsetof(NcclApi, MemFree), 1},
+    {"ncclCommWindowRegister", offsetof(NcclApi, CommWindowRegister), 1},
 };
 
 static pthread_mutex_t g_load_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -262,6 +258,7 @@ ddpc_status ddpc_nccl_load(char *version, size_t version_len) {
     size_t used = 0;
     for (size_t i = 0; i < sizeof k_nccl_syms / sizeof *k_nccl_syms; i++) {
         void *sym = dlsym(h, k_nccl_syms[i].name);
+        if (!sym && k_nccl_syms[i].optional) continue;
         if (!sym) {
             int n = snprintf(missing + used, sizeof missing - used, "%s%s", used ? ", " : "",
                              k_nccl_syms[i].name);
@@ -270,10 +267,6 @@ ddpc_status ddpc_nccl_load(char *version, size_t version_len) {
         }
         /* dlsym hands out a data pointer; POSIX guarantees it converts to the function. */
         memcpy((char *)&api + k_nccl_syms[i].offset, &sym, sizeof sym);
-    }
-    for (size_t i = 0; i < sizeof k_nccl_optional_syms / sizeof *k_nccl_optional_syms; i++) {
-        void *sym = dlsym(h, k_nccl_optional_syms[i].name);
-        if (sym) memcpy((char *)&api + k_nccl_optional_syms[i].offset, &sym, sizeof sym);
     }
     Dl_info info;
     if (api.GetVersion && dladdr((void *)api.GetVersion, &info) && info.dli_fname)
