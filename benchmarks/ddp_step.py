@@ -618,6 +618,11 @@ def _worker(rank, args, ports, results):
             variants.append(Variant(f"ddpc bf16 window{' (control)' if k else ''}",
                                     lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16),
                                     env={"DDPC_NCCL_WINDOW_MB": f"{args.window_mb:g}"}))
+        if args.overlap_cast_back:
+            variants.append(Variant("ddpc bf16 overlap cast back, window",
+                                    lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16),
+                                    env={"DDPC_NCCL_WINDOW_MB": f"{args.window_mb:g}",
+                                         "DDPC_CAST_BACK": "overlap"}))
     if args.bf16_via_bucket:
         # What casting fresh gradients straight to the wire saves: each copied into its bucket
         # slot first, as before it.
