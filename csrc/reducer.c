@@ -21,6 +21,17 @@ enum { CAST_BACK_END = 0, CAST_BACK_EARLY = 1, CAST_BACK_OVERLAP = 2 };
  * goes at once, with those waiting, as when each went alone. */
 #define COPY_BATCH_BYTES ((size_t)1 << 20)
 
+/* With DDPC_CAST_BACK=overlap, the last device wire bucket is reduced in up to LAST_CHUNKS
+ * collectives when its wire holds at least LAST_CHUNK_MIN_BYTES (see post_chunks). */
+#define LAST_CHUNKS 4
+#define LAST_CHUNK_MIN_BYTES ((size_t)8 << 20)
+
+/* Elements [lo, hi) of bucket bk: one of those collectives, and what its cast back covers. */
+typedef struct BucketChunk {
+    struct Bucket *bk;
+    size_t lo, hi;
+} BucketChunk;
+
 typedef struct Bucket {
     ddpc_dtype dtype;
     int device;
@@ -43,7 +54,9 @@ typedef struct Bucket {
     int unwired;        /* the reduced values are cast back already: UNWIRED_COMM (behind the
                          * collective on the communication stream: see unwire_after) or
                          * UNWIRED_BACK (on the reducer's cast-back stream: see unwire_early) */
-    DdpcWork *work;     /* in flight between launch and the end of finalize */
+    DdpcWork *work;     /* in flight between launch and the end of finalize (a bucket reduced
+                         * in chunks: the last chunk's; see post_chunks) */
+    BucketChunk chunks[LAST_CHUNKS];
     struct DdpcReducer *owner;
 } Bucket;
 
@@ -617,7 +630,7 @@ static ddpc_status cast_slots(const Bucket *bk, void *dst, ddpc_dtype dst_dt, co
  * else its bucket slot) and, when `only` is given, whose flag there is set: into the wire when
  * to_wire, else out of it. On a device, a few launches for all of them. Called with r->mu held. */
 static ddpc_status cast_params(DdpcReducer *r, const Bucket *bk, int direct, int to_wire,
-                               const uint8_t *only, uintptr_t stream) {
+                               const uint8_t *only, size_t lo, size_t hi, uintptr_t stream) {
     ddpc_dtype cdt = (ddpc_dtype)bk->comm_dtype;
     size_t csz = ddpc_dtype_size(cdt), esz = ddpc_dtype_size(bk->dtype);
     enum { BATCH = 64 };
@@ -641,11 +654,16 @@ static ddpc_status cast_params(DdpcReducer *r, const Bucket *bk, int direct, int
         if (j == bk->nparams) break;
         int p = r->bucket_params[bk->first + j];
         if (r->direct[p] != direct || (only && !only[p])) continue;
-        char *wire = (char *)bk->comm_buf + r->param_offset[p] * csz;
-        char *grad = direct ? (char *)r->grad_at[p] : (char *)bk->buf + r->param_offset[p] * esz;
+        /* (only the part of its slot within [lo, hi)) */
+        size_t from = DDPC_MAX(lo, r->param_offset[p]);
+        size_t to = DDPC_MIN(hi, r->param_offset[p] + r->numels[p]);
+        if (from >= to) continue;
+        size_t skip = from - r->param_offset[p];
+        char *wire = (char *)bk->comm_buf + from * csz;
+        char *grad = direct ? (char *)r->grad_at[p] + skip * esz : (char *)bk->buf + from * esz;
         dsts[n] = to_wire ? wire : grad;
         srcs[n] = to_wire ? grad : wire;
-        counts[n] = r->numels[p];
+        counts[n] = to - from;
         n++;
     }
     return DDPC_OK;
@@ -703,7 +721,7 @@ static ddpc_status flush_due(DdpcReducer *r, Bucket *bk, uintptr_t then, int cas
         counts[n] = r->numels[p];
         ps[n++] = p;
     }
-    if (casts) DDPC_CHECK(cast_params(r, bk, 1, 1, r->due, bk->due_stream));
+    if (casts) DDPC_CHECK(cast_params(r, bk, 1, 1, r->due, 0, bk->count, bk->due_stream));
     if (bk->device >= 0) DDPC_CHECK(ddpc_device_stream_wait(then, bk->due_stream));
     dues_queued(r, bk, casts);
     return DDPC_OK;
@@ -743,12 +761,12 @@ static ddpc_status unwire(DdpcReducer *r, Bucket *bk, uintptr_t stream);
 /* Into the wire: the gradients left where autograd made them whose casts are due, and those in
  * their slots. Called with r->mu held. */
 static ddpc_status to_wire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
-    if (bk->ndue) DDPC_CHECK(cast_params(r, bk, 1, 1, r->due, stream));
+    if (bk->ndue) DDPC_CHECK(cast_params(r, bk, 1, 1, r->due, 0, bk->count, stream));
     if (bk->ndirect == 0)
         DDPC_CHECK(cast_slots(bk, bk->comm_buf, (ddpc_dtype)bk->comm_dtype, bk->buf, bk->dtype, 0,
                               bk->count, 1.0f, stream));
     else /* the gradients in their slots join those cast to the wire on arrival */
-        DDPC_CHECK(cast_params(r, bk, 0, 1, NULL, stream));
+        DDPC_CHECK(cast_params(r, bk, 0, 1, NULL, 0, bk->count, stream));
     dues_queued(r, bk, 1);
     return DDPC_OK;
 }
@@ -796,6 +814,49 @@ static ddpc_status unwire_early(void *ctx, uintptr_t comm_stream) {
     return DDPC_OK;
 }
 
+static ddpc_status unwire_range(DdpcReducer *r, Bucket *bk, size_t lo, size_t hi,
+                                uintptr_t stream);
+
+/* With DDPC_CAST_BACK=overlap, the last device wire bucket (the one reduced after the
+ * backward's last kernel) is reduced in chunks, each cast back as soon as its collective is
+ * queued, on back_stream (made at the launch, under r->mu): the casts back of the first chunks
+ * run beside the collectives of the next ones instead of all after the last. Like
+ * unwire_early, this runs inside each post without r->mu and reads only what the launch fixed.
+ */
+static ddpc_status unwire_chunk(void *ctx, uintptr_t comm_stream) {
+    const BucketChunk *c = ctx;
+    DdpcReducer *r = c->bk->owner;
+    DDPC_CHECK(ddpc_device_stream_wait(r->back_stream, comm_stream));
+    return unwire_range(r, c->bk, c->lo, c->hi, r->back_stream);
+}
+
+/* Posts the collectives of a bucket split into chunks (see unwire_chunk): bk->work is the last
+ * one's (they complete in posting order), the others' are let go once posted. */
+static ddpc_status post_chunks(DdpcReducer *r, Bucket *bk, const DdpcCollArgs *whole) {
+    size_t esz = ddpc_dtype_size(whole->dtype);
+    /* chunk edges on multiples of 1024 elements: a slot split there keeps its alignment */
+    size_t step = align_up((bk->count + LAST_CHUNKS - 1) / LAST_CHUNKS, 1024);
+    int n = 0;
+    for (size_t lo = 0; lo < bk->count; lo += step) {
+        BucketChunk *c = &bk->chunks[n];
+        c->bk = bk;
+        c->lo = lo;
+        c->hi = DDPC_MIN(bk->count, lo + step);
+        DdpcCollArgs a = *whole;
+        a.recv = (char *)whole->recv + lo * esz;
+        a.count = c->hi - lo;
+        a.after = unwire_chunk;
+        a.hook_ctx = c;
+        DdpcWork *w = NULL;
+        DDPC_CHECK(ddpc_group_post(r->g, &a, &w));
+        if (bk->work) ddpc_work_release(bk->work);
+        bk->work = w;
+        n++;
+    }
+    bk->unwired = UNWIRED_BACK;
+    return DDPC_OK;
+}
+
 static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
     Bucket *bk = &r->buckets[b];
     bk->launched = 1;
@@ -826,7 +887,12 @@ static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
         .after = before ? unwire_after : early ? unwire_early : NULL, .hook_ctx = bk,
         .defer = r->defer && !before,
     };
-    st = ddpc_group_post(r->g, &a, &bk->work);
+    int chunked = wire && bk->device >= 0 && r->cast_back == CAST_BACK_OVERLAP && !before &&
+                  b == r->nbuckets - 1 && bk->count * ddpc_dtype_size(dt) >= LAST_CHUNK_MIN_BYTES &&
+                  !(staged && bk->count * ddpc_dtype_size(dt) >= staged);
+    if (chunked && !r->back_stream) st = ddpc_device_stream_create(&r->back_stream);
+    if (st == DDPC_OK)
+        st = chunked ? post_chunks(r, bk, &a) : ddpc_group_post(r->g, &a, &bk->work);
     if (st != DDPC_OK)
         return ddpc_error_prefix(st, "reducer: all_reduce of gradient bucket %d (%zu x %s): ", b,
                                  bk->count, ddpc_dtype_name(dt));
@@ -1039,14 +1105,20 @@ static ddpc_status zero_unready(DdpcReducer *r, Bucket *bk, uintptr_t stream, in
     return DDPC_OK;
 }
 
-/* After a wire bucket's collective: the reduced values back into the bucket (when any of its
- * gradients lives there) and into the gradients that went to the wire from where autograd left
- * them. Called with r->mu held. */
-static ddpc_status unwire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
+/* After a wire bucket's collective: the reduced values of its elements [lo, hi) back into the
+ * bucket (when any of its gradients lives there) and into the gradients that went to the wire
+ * from where autograd left them. */
+static ddpc_status unwire_range(DdpcReducer *r, Bucket *bk, size_t lo, size_t hi,
+                                uintptr_t stream) {
     if (bk->ndirect < bk->nparams)
-        DDPC_CHECK(cast_slots(bk, bk->buf, bk->dtype, bk->comm_buf, (ddpc_dtype)bk->comm_dtype, 0,
-                              bk->count, back_scale(r, bk), stream));
-    return bk->ndirect ? cast_params(r, bk, 1, 0, NULL, stream) : DDPC_OK;
+        DDPC_CHECK(cast_slots(bk, bk->buf, bk->dtype, bk->comm_buf, (ddpc_dtype)bk->comm_dtype, lo,
+                              hi - lo, back_scale(r, bk), stream));
+    return bk->ndirect ? cast_params(r, bk, 1, 0, NULL, lo, hi, stream) : DDPC_OK;
+}
+
+/* The same for the whole bucket. Called with r->mu held. */
+static ddpc_status unwire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
+    return unwire_range(r, bk, 0, bk->count, stream);
 }
 
 /* With DDPC_CAST_BACK=overlap, at finalize: the device wire buckets before the last are cast

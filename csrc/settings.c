@@ -79,7 +79,8 @@ static const Setting SETTINGS[] = {
      "end (the default): bf16/fp16 buckets are cast back to the gradients' dtype at the end of "
      "backward, on the caller's stream; early: as soon as each all-reduce is done, on a stream "
      "of their own; overlap: at the end of backward, all but the last bucket on a stream of "
-     "their own, beside the last bucket's all-reduce"},
+     "their own, beside the last bucket's all-reduce, which is split in up to 4 parts, each "
+     "cast back there as soon as its all-reduce ends; every rank must set the same value"},
     {"DDPC_DEBUG", KIND_LOGLEVEL, 0, 0, {NULL},
      "INFO (or 1): log lines with host:pid:tid; TRACE (or 2): also every collective; OFF (or "
      "0, the default): none"},

@@ -310,6 +310,8 @@ class DistributedModel(torch.nn.Module):
                 ("broadcast_buffers", str(broadcast_buffers)),
                 ("DDPC_TAIL_BUCKET_MB", _env_number("DDPC_TAIL_BUCKET_MB")),
                 ("DDPC_NCCL_WINDOW_MB", _env_number("DDPC_NCCL_WINDOW_MB")),
+                # (overlap changes how many collectives the last bucket takes)
+                ("DDPC_CAST_BACK", os.environ.get("DDPC_CAST_BACK") or "end"),
                 ("DDPC_EMBEDDING_ROWS", os.environ.get("DDPC_EMBEDDING_ROWS") or "auto")])
             if self._world > 1:
                 _broadcast_flat([p.data for p in module.parameters()] + list(module.buffers()),

@@ -917,6 +917,74 @@ static void test_device_cast_back_early(void) {
     expect_setting_refused("DDPC_CAST_BACK", "now", "use end or early or overlap");
 }
 
+/* DDPC_CAST_BACK=overlap, a last bucket whose bf16 wire holds 8 MiB or more: it is reduced in 4
+ * collectives over consecutive parts of its wire, each cast back behind its own on the
+ * reducer's stream, split inside a gradient (cast from where autograd left it); every element
+ * comes back averaged. The bucket before it is one collective. */
+static void test_last_bucket_in_chunks(void) {
+    enum { CALLER = 5 };
+    size_t big = ((size_t)5 << 20) + 3; /* 10 MiB of bf16 */
+    size_t numels[2] = {3, big};
+    ddpc_dtype dts[2] = {DDPC_FLOAT32, DDPC_FLOAT32};
+    int devs[2] = {0, 0}, order[2] = {0, 1};
+    setenv("DDPC_CAST_BACK", "overlap", 1);
+    DdpcReducer *r = NULL;
+    OK(ddpc_reducer_create(&g_group, 2, numels, dts, devs, order, NULL, 32, 32, DDPC_BFLOAT16,
+                           &r));
+    unsetenv("DDPC_CAST_BACK");
+    if (!r) return;
+    int nb = ddpc_reducer_num_buckets(r);
+    EXPECT(nb == 2, "%d buckets", nb);
+    uint16_t *wire[2] = {NULL, NULL};
+    float *mem[2] = {NULL, NULL};
+    size_t count[2] = {0, 0};
+    for (int b = 0; b < nb && b < 2; b++) {
+        ddpc_dtype dt;
+        int dev;
+        OK(ddpc_reducer_bucket_info(r, b, &dt, &dev, &count[b]));
+        wire[b] = calloc(count[b], sizeof *wire[b]);
+        mem[b] = calloc(count[b], sizeof(float));
+        OK(ddpc_reducer_set_bucket_memory(r, b, mem[b]));
+        OK(ddpc_reducer_set_bucket_wire(r, b, wire[b]));
+    }
+    float g0[3] = {2, 2, 2};
+    float *g1 = malloc(big * sizeof *g1);
+    for (size_t i = 0; g1 && i < big; i++) g1[i] = 4.0f;
+    int direct = -1, unused = -1;
+    if (nb == 2 && g1) {
+        OK(ddpc_reducer_prepare(r));
+        OK(ddpc_reducer_mark_ready_grad(r, 0, g0, CALLER, &direct));
+        OK(ddpc_reducer_mark_ready_grad(r, 1, g1, CALLER, &direct));
+        EXPECT(direct == 1, "direct %d", direct);
+        EXPECT(g_nlog == 5, "%d collectives for a bucket and a chunked one", g_nlog);
+        size_t next = 0;
+        for (int k = 1; k < g_nlog; k++) {
+            const DdpcCollArgs *a = &g_log[k]->args;
+            EXPECT(a->recv == (void *)(wire[1] + next) && a->after != NULL && a->count > 0,
+                   "chunk %d: at element %zu, %zu elements", k - 1,
+                   (size_t)((uint16_t *)a->recv - wire[1]), a->count);
+            next += a->count;
+        }
+        EXPECT(next == count[1], "the chunks cover %zu of %zu elements", next, count[1]);
+        EXPECT(g1[0] == 2.5f && g1[big - 1] == 2.5f, "chunks not cast back as queued");
+        OK(ddpc_reducer_finalize(r, CALLER, &unused));
+        size_t wrong = 0;
+        for (size_t i = 0; i < big; i++) wrong += g1[i] != 2.5f;
+        EXPECT(wrong == 0 && g0[0] == 1.5f, "after finalize: %zu wrong elements; g0 %g", wrong,
+               (double)g0[0]);
+        EXPECT(g_nwaits > 0 && g_waits[g_nwaits - 1][0] == CALLER &&
+                   g_waits[g_nwaits - 1][1] == BACK_STREAM,
+               "finalize did not order the caller's stream after the casts back");
+        clear_log();
+    }
+    ddpc_reducer_destroy(r);
+    free(g1);
+    for (int b = 0; b < 2; b++) {
+        free(wire[b]);
+        free(mem[b]);
+    }
+}
+
 /* DDPC_CAST_BACK=overlap: two device buckets reduced in bfloat16. Nothing is cast back before
  * finalize; there, the first bucket goes back on the reducer's own stream, which first waits
  * for the caller's (the end of the backward's kernels), and the last one on the caller's
@@ -1004,6 +1072,7 @@ static void test_device_cast_back_overlap(void) {
         free(wire[b]);
         free(mem[b]);
     }
+    test_last_bucket_in_chunks();
 }
 
 static void test_bad_arguments(void) {
