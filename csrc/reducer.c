@@ -857,6 +857,35 @@ static ddpc_status post_chunks(DdpcReducer *r, Bucket *bk, const DdpcCollArgs *w
     return DDPC_OK;
 }
 
+/* With DDPC_CAST_BACK=overlap, as the last bucket launches: the device wire buckets before it
+ * are cast back on back_stream, which first waits for the caller's stream (where the backward's
+ * kernels are queued, then the last bucket's casts into the wire) and then for each one's
+ * collective. So they run beside the last bucket's collective, which moves its bytes over the
+ * link between the GPUs, rather than after it (the default) or beside the backward's kernels,
+ * whose memory bandwidth they would take (DDPC_CAST_BACK=early); and ahead of the last
+ * bucket's own casts back on that stream (post_chunks). Called with r->mu held, every bucket
+ * before the last launched. */
+static ddpc_status unwire_beside_last(DdpcReducer *r, uintptr_t stream) {
+    int last = r->nbuckets - 1, any = 0;
+    for (int b = 0; b < last && !any; b++) {
+        const Bucket *bk = &r->buckets[b];
+        any = bk->work && bk->comm_dtype >= 0 && bk->device >= 0 && !bk->unwired;
+    }
+    if (!any) return DDPC_OK;
+    if (!r->back_stream) DDPC_CHECK(ddpc_device_stream_create(&r->back_stream));
+    DDPC_CHECK(ddpc_device_stream_wait(r->back_stream, stream));
+    for (int b = 0; b < last; b++) {
+        Bucket *bk = &r->buckets[b];
+        if (!bk->work || bk->comm_dtype < 0 || bk->device < 0 || bk->unwired) continue;
+        ddpc_status st = ddpc_work_wait_stream(bk->work, r->back_stream);
+        if (st == DDPC_OK) st = unwire(r, bk, r->back_stream);
+        if (st != DDPC_OK)
+            return ddpc_error_prefix(st, "reducer: casting gradient bucket %d back: ", b);
+        bk->unwired = UNWIRED_BACK;
+    }
+    return DDPC_OK;
+}
+
 static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
     Bucket *bk = &r->buckets[b];
     bk->launched = 1;
@@ -890,7 +919,10 @@ static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
     int chunked = wire && bk->device >= 0 && r->cast_back == CAST_BACK_OVERLAP && !before &&
                   b == r->nbuckets - 1 && bk->count * ddpc_dtype_size(dt) >= LAST_CHUNK_MIN_BYTES &&
                   !(staged && bk->count * ddpc_dtype_size(dt) >= staged);
-    if (chunked && !r->back_stream) st = ddpc_device_stream_create(&r->back_stream);
+    if (r->cast_back == CAST_BACK_OVERLAP && b == r->nbuckets - 1)
+        st = unwire_beside_last(r, stream);
+    if (st == DDPC_OK && chunked && !r->back_stream)
+        st = ddpc_device_stream_create(&r->back_stream);
     if (st == DDPC_OK)
         st = chunked ? post_chunks(r, bk, &a) : ddpc_group_post(r->g, &a, &bk->work);
     if (st != DDPC_OK)
@@ -1121,34 +1153,6 @@ static ddpc_status unwire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
     return unwire_range(r, bk, 0, bk->count, stream);
 }
 
-/* With DDPC_CAST_BACK=overlap, at finalize: the device wire buckets before the last are cast
- * back on back_stream, which first waits for the caller's stream (where the backward's kernels
- * are queued, then the last bucket's casts into the wire) and then for each one's collective. So
- * they run beside the last bucket's collective, which moves its bytes over the link between the
- * GPUs, rather than after it (the default) or beside the backward's kernels, whose memory
- * bandwidth they would take (DDPC_CAST_BACK=early). Called with r->mu held, every bucket
- * launched. */
-static ddpc_status unwire_beside_last(DdpcReducer *r, uintptr_t stream) {
-    int last = r->nbuckets - 1, any = 0;
-    for (int b = 0; b < last && !any; b++) {
-        const Bucket *bk = &r->buckets[b];
-        any = bk->work && bk->comm_dtype >= 0 && bk->device >= 0 && !bk->unwired;
-    }
-    if (!any) return DDPC_OK;
-    if (!r->back_stream) DDPC_CHECK(ddpc_device_stream_create(&r->back_stream));
-    DDPC_CHECK(ddpc_device_stream_wait(r->back_stream, stream));
-    for (int b = 0; b < last; b++) {
-        Bucket *bk = &r->buckets[b];
-        if (!bk->work || bk->comm_dtype < 0 || bk->device < 0 || bk->unwired) continue;
-        ddpc_status st = ddpc_work_wait_stream(bk->work, r->back_stream);
-        if (st == DDPC_OK) st = unwire(r, bk, r->back_stream);
-        if (st != DDPC_OK)
-            return ddpc_error_prefix(st, "reducer: casting gradient bucket %d back: ", b);
-        bk->unwired = UNWIRED_BACK;
-    }
-    return DDPC_OK;
-}
-
 ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused) {
     ddpc_status st = DDPC_OK;
     int nunused = 0;
@@ -1170,8 +1174,6 @@ ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused)
             DDPC_CHECK_GOTO(zero_unready(r, &r->buckets[b], stream, &nunused), st, out);
     for (; r->next_launch < r->nbuckets; r->next_launch++)
         DDPC_CHECK_GOTO(launch(r, r->next_launch, stream), st, out);
-    if (r->cast_back == CAST_BACK_OVERLAP)
-        DDPC_CHECK_GOTO(unwire_beside_last(r, stream), st, out);
     int back = 0;
     for (int b = 0; b < r->nbuckets; b++) {
         Bucket *bk = &r->buckets[b];

@@ -985,10 +985,10 @@ static void test_last_bucket_in_chunks(void) {
     }
 }
 
-/* DDPC_CAST_BACK=overlap: two device buckets reduced in bfloat16. Nothing is cast back before
- * finalize; there, the first bucket goes back on the reducer's own stream, which first waits
- * for the caller's (the end of the backward's kernels), and the last one on the caller's
- * stream, which then waits for the reducer's. */
+/* DDPC_CAST_BACK=overlap: two device buckets reduced in bfloat16. As the last one launches, the
+ * first is cast back on the reducer's own stream, which first waits for the caller's (the end
+ * of the backward's kernels); at finalize the last one (too small to split) goes back on the
+ * caller's stream, which then waits for the reducer's. */
 static void test_device_cast_back_overlap(void) {
     size_t numels[3] = {3, 5, 2};
     ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
@@ -1034,25 +1034,28 @@ static void test_device_cast_back_overlap(void) {
         for (int k = 0; k < 5; k++) mem[0][off[1] + k] = 4.0f;
         OK(ddpc_reducer_mark_ready(r, 1, CALLER)); /* (in its slot) */
         for (int k = 0; k < 2; k++) mem[1][off[2] + k] = 8.0f;
+        EXPECT(g0[0] == 2.0f && mem[0][off[1]] == 4.0f && g_nlog == 1,
+               "step %d: cast back before the last bucket launched", step);
+        int into_wire = g_nlaunch, waits = g_nwaits;
         OK(ddpc_reducer_mark_ready(r, 2, CALLER));
         EXPECT(g_nlog == 2, "step %d: %d collectives", step, g_nlog);
-        int launches = g_nlaunch;
-        EXPECT(g0[0] == 2.0f && mem[0][off[1]] == 4.0f, "step %d: cast back before finalize",
-               step);
-        for (int k = 0; k < launches; k++)
+        EXPECT(g0[0] == 1.5f && mem[0][off[1] + 4] == 2.5f && mem[1][off[2]] == 8.0f,
+               "step %d: the first bucket not cast back as the last launched: %g %g %g", step,
+               (double)g0[0], (double)mem[0][off[1] + 4], (double)mem[1][off[2]]);
+        int on_back = 0;
+        for (int k = into_wire; k < g_nlaunch; k++) on_back += g_launch_stream[k] == BACK_STREAM;
+        EXPECT(on_back == 2, "step %d: %d casts back on the reducer's stream", step, on_back);
+        EXPECT(g_nwaits > waits && g_waits[waits][0] == BACK_STREAM &&
+                   g_waits[waits][1] == CALLER,
+               "step %d: the reducer's stream did not first wait for the caller's", step);
+        for (int k = 0; k < into_wire; k++)
             EXPECT(g_launch_stream[k] == CALLER, "step %d: launch %d of the casts into the wire "
                    "on stream %lu", step, k, (unsigned long)g_launch_stream[k]);
+        int launches = g_nlaunch;
         OK(ddpc_reducer_finalize(r, CALLER, &unused));
-        /* bucket 0: its direct gradient and its slot, on the reducer's stream; bucket 1: its
-         * slot, on the caller's */
-        int on_back = 0, on_caller = 0;
-        for (int k = launches; k < g_nlaunch; k++) {
-            on_back += g_launch_stream[k] == BACK_STREAM;
-            on_caller += g_launch_stream[k] == CALLER;
-        }
-        EXPECT(on_back == 2 && on_caller == 1 && g_launch_stream[g_nlaunch - 1] == CALLER,
-               "step %d: casts back %d on the reducer's stream, %d on the caller's", step,
-               on_back, on_caller);
+        /* bucket 1: its slot, on the caller's stream */
+        EXPECT(g_nlaunch == launches + 1 && g_launch_stream[g_nlaunch - 1] == CALLER,
+               "step %d: %d casts back at finalize", step, g_nlaunch - launches);
         int back_after_caller = -1, caller_after_back = -1;
         for (int k = 0; k < g_nwaits; k++) {
             if (g_waits[k][0] == BACK_STREAM && g_waits[k][1] == CALLER) back_after_caller = k;
