@@ -91,8 +91,8 @@ struct DdpcReducer {
                            * stream (see wire_before); else on the caller's, back at finalize */
     int cast_back;        /* DDPC_CAST_BACK: CAST_BACK_EARLY: device wire buckets cast back on
                            * back_stream as soon as their collective is done (see unwire_early);
-                           * CAST_BACK_OVERLAP: there at finalize, beside the last bucket's
-                           * collective (see unwire_beside_last) */
+                           * CAST_BACK_OVERLAP: there as the last bucket launches, beside its
+                           * collectives (see unwire_beside_last, post_chunks) */
     uintptr_t back_stream; /* made by the first such cast back; 0 until then */
     int *seen;            /* parameters in the order they became ready */
     int nseen;
