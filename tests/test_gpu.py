@@ -653,6 +653,43 @@ def _w_window(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dic
     return {"failures": failures}
 
 
+def _w_overlap(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dict[str, Any]:
+    """DDPC_CAST_BACK=overlap: the buckets before the last cast back on ddpc's own stream as the
+    last launches, and the last one (10 MiB of bf16 wire) reduced in 4 parts, each cast back as
+    it is queued. Against the default casts back, fed the same batches: the same gradients, bit
+    for bit (an element's average does not depend on which collective carried it), with
+    gradients set to None and zeroed in turn."""
+    failures = []
+    dev = ddpc.device()
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)]).to(dev)
+    os.environ["DDPC_CAST_BACK"] = "overlap"
+    try:
+        a = ddpc.wrap_model(make(), grad_dtype=torch.bfloat16)
+    finally:
+        del os.environ["DDPC_CAST_BACK"]
+    b = ddpc.wrap_model(make(), grad_dtype=torch.bfloat16)
+    counts = [a._bucket_specs[k][0] for k in range(len(a._bucket_specs))]
+    if len(counts) < 2 or counts[-1] * 2 < (8 << 20):
+        failures.append(f"bucket sizes {counts}: no last bucket of 8 MiB of bf16 to split")
+    gen = torch.Generator(device=dev).manual_seed(100 + rank)
+    for step in range(4):
+        x = torch.randn(64, 1024, device=dev, generator=gen)
+        for m in (a, b):
+            m.zero_grad(set_to_none=step % 2 == 0)
+            m(x).square().mean().backward()
+        for (name, pa), pb in zip(a.module.named_parameters(), b.module.parameters()):
+            if not torch.equal(pa.grad, pb.grad):
+                d = (pa.grad - pb.grad).abs().max().item()
+                failures.append(f"step {step}: {name}'s gradient differs by up to {d:g}")
+    if not all(p.grad.abs().sum() > 0 for p in a.parameters()):
+        failures.append("a gradient is zero")
+    torch.cuda.synchronize()
+    return {"failures": failures}
+
+
 @needs_2
 def test_symmetric_window_buckets_match_the_default_wires():
     _assert_no_failures(_run_ranks(_w_window))
@@ -754,6 +791,11 @@ def _w_rows_exchange(rank: int, world: int, ddpc: Any, torch: Any,
 # One rank on one GPU runs the same code paths (NCCL communicator, communication stream, events,
 # watchdog) as two; it is what a machine with a single GPU can check.
 WORLDS = [pytest.param(1, marks=needs_1_torch, id="1gpu"), pytest.param(2, marks=needs_2, id="2gpu")]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_cast_back_overlap_matches_the_default(world):
+    _assert_no_failures(_run_ranks(_w_overlap, world=world))
 
 
 @pytest.mark.parametrize("world", WORLDS)
