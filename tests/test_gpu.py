@@ -663,20 +663,23 @@ def _w_overlap(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Di
     dev = ddpc.device()
 
     def make():
+        # The first layer's gradients complete last: with buckets of 26 MiB it is the last
+        # bucket alone (6.3M parameters, 12.6 MB of bf16 wire), after one or more of the rest.
         torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)]).to(dev)
+        return torch.nn.Sequential(torch.nn.Linear(6144, 1024),
+                                   *[torch.nn.Linear(1024, 1024) for _ in range(3)]).to(dev)
     os.environ["DDPC_CAST_BACK"] = "overlap"
     try:
-        a = ddpc.wrap_model(make(), grad_dtype=torch.bfloat16)
+        a = ddpc.wrap_model(make(), bucket_cap_mb=26, grad_dtype=torch.bfloat16)
     finally:
         del os.environ["DDPC_CAST_BACK"]
-    b = ddpc.wrap_model(make(), grad_dtype=torch.bfloat16)
+    b = ddpc.wrap_model(make(), bucket_cap_mb=26, grad_dtype=torch.bfloat16)
     counts = [a._bucket_specs[k][0] for k in range(len(a._bucket_specs))]
     if len(counts) < 2 or counts[-1] * 2 < (8 << 20):
         failures.append(f"bucket sizes {counts}: no last bucket of 8 MiB of bf16 to split")
     gen = torch.Generator(device=dev).manual_seed(100 + rank)
     for step in range(4):
-        x = torch.randn(64, 1024, device=dev, generator=gen)
+        x = torch.randn(64, 6144, device=dev, generator=gen)
         for m in (a, b):
             m.zero_grad(set_to_none=step % 2 == 0)
             m(x).square().mean().backward()
