@@ -7,6 +7,7 @@ scenarios run on the cpu backend.
 Both ranks run every scenario once (a module-scoped fixture); each test checks one scenario's
 results, so a broken feature fails its own test.
 """
+import contextlib
 import copy
 import os
 import re
@@ -1008,3 +1009,63 @@ def test_bf16_cast_settings_are_checked(world_one, monkeypatch, name, bad, takes
         m(torch.ones(2, 3)).sum().backward()
         assert torch.equal(m.module.weight.grad, torch.full((2, 3), 2.0))
 
+
+
+def test_symmetric_window_holds_the_buckets_before_the_last_that_fit(monkeypatch):
+    """DDPC_NCCL_WINDOW_MB's placement (DistributedModel._place_windows), which only a 2-GPU
+    machine reaches for real (tests/test_gpu.py -k window): one window, sized to the buckets
+    before the last that fit under the cap in order, each bucket placed at its 4 KiB-aligned
+    offset and summed; the same window at a rebuild; a warning, and no window, when the cap
+    holds no bucket or a rank cannot make one. The group and reducer here only record calls."""
+    import types
+    import warnings
+    from ddpc import parallel
+
+    class Group:
+        backend = "nccl"
+
+        def __init__(self, answer):
+            self.answer, self.asked = answer, []
+
+        def window_alloc(self, n):
+            self.asked.append(n)
+            return self.answer
+
+    class Reducer:
+        def __init__(self):
+            self.summed = []
+
+        def set_bucket_summed(self, b, on):
+            self.summed.append((b, on))
+
+    monkeypatch.setattr(parallel, "_on", lambda device: contextlib.nullcontext())
+    cuda = torch.device("cuda", 0)
+    specs = [(n, torch.float32, cuda) for n in (1000, 1 << 20, 1 << 20, 1 << 20, 5 << 20)]
+    wires = [torch.bfloat16] * 5
+    base = 1 << 40
+
+    def model(cap, answer):
+        return types.SimpleNamespace(_window_cap=cap, _device=cuda, _world=2,
+                                     _group=Group(answer), _window=None, _window_bytes=0)
+
+    m, r = model(5, (base, "")), Reducer()
+    parallel.DistributedModel._place_windows(m, r, specs, wires)
+    assert m._group.asked == [4096 + (4 << 20)]  # 4 KiB, 2 MiB, 2 MiB; the third 2 MiB no
+    assert m._window_at == [base, base + 4096, base + 4096 + (2 << 20), None, None]
+    assert r.summed == [(0, True), (1, True), (2, True)]
+    r2 = Reducer()
+    parallel.DistributedModel._place_windows(m, r2, specs, wires)  # a rebuild: no new window
+    assert m._group.asked == [4096 + (4 << 20)] and r2.summed == r.summed
+    for cap, answer, says in ((0.001, (base, ""), "holds none of the buckets"),
+                              (5, (0, "rank 1 could not allocate its part"), "could not")):
+        m, r = model(cap, answer), Reducer()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            parallel.DistributedModel._place_windows(m, r, specs, wires)
+        assert any(says in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert m._window_at == [None] * 5 and r.summed == [] and m._window_bytes == 0
+    # one rank, or no bf16 wire: nothing asked
+    m = model(5, (base, ""))
+    m._world = 1
+    parallel.DistributedModel._place_windows(m, Reducer(), specs, wires)
+    assert m._group.asked == [] and m._window_at == [None] * 5

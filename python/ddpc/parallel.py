@@ -502,8 +502,17 @@ class DistributedModel(torch.nn.Module):
         want = {b: -(-specs[b][0] * wires[b].itemsize // 4096) * 4096
                 for b in range(len(specs) - 1) if wires[b] is not None}
         if self._window is None:
-            size = min(int(self._window_cap * (1 << 20)), sum(want.values()))
+            cap, size = int(self._window_cap * (1 << 20)), 0
+            for need in want.values():  # (the buckets that fit, in order)
+                if size + need > cap:
+                    break
+                size += need
             self._window = 0
+            if want and size == 0:
+                first = next(iter(want.values()))
+                warnings.warn(f"ddpc: DDPC_NCCL_WINDOW_MB={self._window_cap:g} holds none of "
+                              f"the buckets (the first needs {first / (1 << 20):.1f} MiB); they "
+                              f"are reduced as without it", stacklevel=3)
             if size > 0:
                 with _on(self._device):
                     ptr, why = self._group.window_alloc(size)
