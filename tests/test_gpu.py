@@ -604,6 +604,27 @@ def _w_objects(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Di
     return {"failures": failures}
 
 
+def _same_gradients(torch: Any, a: Any, b: Any, width: int, rank: int,
+                    failures: List[str]) -> None:
+    """Four steps of two wrappers of the same model on the same batches (this rank's, of
+    `width` features), gradients set to None and zeroed in turn: appends to failures every
+    gradient of a's that is not b's bit for bit, and a gradient left zero or not finite."""
+    dev = next(a.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(100 + rank)
+    for step in range(4):
+        x = torch.randn(64, width, device=dev, generator=gen)
+        for m in (a, b):
+            m.zero_grad(set_to_none=step % 2 == 0)
+            m(x).square().mean().backward()
+        for (name, pa), pb in zip(a.module.named_parameters(), b.module.parameters()):
+            if not torch.equal(pa.grad, pb.grad):
+                d = (pa.grad - pb.grad).abs().max().item()
+                failures.append(f"step {step}: {name}'s gradient differs by up to {d:g}")
+    if not all(torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0 for p in a.parameters()):
+        failures.append("a gradient is zero or not finite")
+    torch.cuda.synchronize()
+
+
 def _w_window(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dict[str, Any]:
     """DDPC_NCCL_WINDOW_MB: the bf16 wires of the buckets before the last lie in an NCCL
     symmetric window, summed there and divided on the way back. Two wrappers of the same model,
@@ -636,20 +657,7 @@ def _w_window(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dic
     if not 0 < a._window_bytes <= 5 << 20 or placed < 2 or b._window_bytes or any(b._window_at):
         failures.append(f"window {a._window_bytes} bytes holding {placed} buckets of "
                         f"{len(a._window_at)}; the plain wrapper's {b._window_bytes}")
-    gen = torch.Generator(device=dev).manual_seed(100 + rank)
-    for step in range(4):
-        x = torch.randn(64, 1024, device=dev, generator=gen)
-        for m in (a, b):
-            m.zero_grad(set_to_none=step % 2 == 0)
-            m(x).square().mean().backward()
-        for (name, pa), pb in zip(a.module.named_parameters(), b.module.parameters()):
-            if not torch.equal(pa.grad, pb.grad):
-                d = (pa.grad - pb.grad).abs().max().item()
-                failures.append(f"step {step}: {name}'s gradient differs by up to {d:g}")
-        if step == 3 and not all(torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
-                                 for p in a.parameters()):
-            failures.append("a gradient is zero or not finite")
-    torch.cuda.synchronize()
+    _same_gradients(torch, a, b, 1024, rank, failures)
     return {"failures": failures}
 
 
@@ -677,19 +685,7 @@ def _w_overlap(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Di
     counts = [a._bucket_specs[k][0] for k in range(len(a._bucket_specs))]
     if len(counts) < 2 or counts[-1] * 2 < (8 << 20):
         failures.append(f"bucket sizes {counts}: no last bucket of 8 MiB of bf16 to split")
-    gen = torch.Generator(device=dev).manual_seed(100 + rank)
-    for step in range(4):
-        x = torch.randn(64, 6144, device=dev, generator=gen)
-        for m in (a, b):
-            m.zero_grad(set_to_none=step % 2 == 0)
-            m(x).square().mean().backward()
-        for (name, pa), pb in zip(a.module.named_parameters(), b.module.parameters()):
-            if not torch.equal(pa.grad, pb.grad):
-                d = (pa.grad - pb.grad).abs().max().item()
-                failures.append(f"step {step}: {name}'s gradient differs by up to {d:g}")
-    if not all(p.grad.abs().sum() > 0 for p in a.parameters()):
-        failures.append("a gradient is zero")
-    torch.cuda.synchronize()
+    _same_gradients(torch, a, b, 6144, rank, failures)
     return {"failures": failures}
 
 
