@@ -758,15 +758,22 @@ static ddpc_status set_due(DdpcReducer *r, int i, int what, const void *src, uin
 
 static ddpc_status unwire(DdpcReducer *r, Bucket *bk, uintptr_t stream);
 
-/* Into the wire: the gradients left where autograd made them whose casts are due, and those in
- * their slots. Called with r->mu held. */
-static ddpc_status to_wire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
-    if (bk->ndue) DDPC_CHECK(cast_params(r, bk, 1, 1, r->due, 0, bk->count, stream));
+/* Into the wire, elements [lo, hi) of bk: the gradients left where autograd made them whose
+ * casts are due, and those in their slots. The dues stay marked (dues_queued clears them once
+ * every part is queued). Called with r->mu held. */
+static ddpc_status to_wire_range(DdpcReducer *r, Bucket *bk, size_t lo, size_t hi,
+                                 uintptr_t stream) {
+    if (bk->ndue) DDPC_CHECK(cast_params(r, bk, 1, 1, r->due, lo, hi, stream));
     if (bk->ndirect == 0)
-        DDPC_CHECK(cast_slots(bk, bk->comm_buf, (ddpc_dtype)bk->comm_dtype, bk->buf, bk->dtype, 0,
-                              bk->count, 1.0f, stream));
-    else /* the gradients in their slots join those cast to the wire on arrival */
-        DDPC_CHECK(cast_params(r, bk, 0, 1, NULL, 0, bk->count, stream));
+        return cast_slots(bk, bk->comm_buf, (ddpc_dtype)bk->comm_dtype, bk->buf, bk->dtype, lo,
+                          hi - lo, 1.0f, stream);
+    /* the gradients in their slots join those cast to the wire on arrival */
+    return cast_params(r, bk, 0, 1, NULL, lo, hi, stream);
+}
+
+/* The same for the whole bucket, its dues then queued. Called with r->mu held. */
+static ddpc_status to_wire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
+    DDPC_CHECK(to_wire_range(r, bk, 0, bk->count, stream));
     dues_queued(r, bk, 1);
     return DDPC_OK;
 }
@@ -830,8 +837,11 @@ static ddpc_status unwire_chunk(void *ctx, uintptr_t comm_stream) {
     return unwire_range(r, c->bk, c->lo, c->hi, r->back_stream);
 }
 
-/* Posts the collectives of a bucket split into chunks (see unwire_chunk): bk->work is the last
- * one's (they complete in posting order), the others' are let go once posted. */
+/* Posts the collectives of a bucket split into chunks (see unwire_chunk), each right after its
+ * part's casts into the wire on the caller's stream (whole->stream; each post orders its
+ * collective after what that stream has queued): the first part's collective runs beside the
+ * next parts' casts, rather than after all of them. bk->work is the last one's (they complete
+ * in posting order), the others' are let go once posted. */
 static ddpc_status post_chunks(DdpcReducer *r, Bucket *bk, const DdpcCollArgs *whole) {
     size_t esz = ddpc_dtype_size(whole->dtype);
     /* chunk edges on multiples of 1024 elements: a slot split there keeps its alignment */
@@ -847,20 +857,22 @@ static ddpc_status post_chunks(DdpcReducer *r, Bucket *bk, const DdpcCollArgs *w
         a.count = c->hi - lo;
         a.after = unwire_chunk;
         a.hook_ctx = c;
+        DDPC_CHECK(to_wire_range(r, bk, c->lo, c->hi, whole->stream));
         DdpcWork *w = NULL;
         DDPC_CHECK(ddpc_group_post(r->g, &a, &w));
         if (bk->work) ddpc_work_release(bk->work);
         bk->work = w;
         n++;
     }
+    dues_queued(r, bk, 1);
     bk->unwired = UNWIRED_BACK;
     return DDPC_OK;
 }
 
 /* With DDPC_CAST_BACK=overlap, as the last bucket launches: the device wire buckets before it
  * are cast back on back_stream, which first waits for the caller's stream (where the backward's
- * kernels are queued, then the last bucket's casts into the wire) and then for each one's
- * collective. So they run beside the last bucket's collective, which moves its bytes over the
+ * kernels are queued, then the last bucket's casts into the wire unless it goes in chunks) and
+ * then for each one's collective. So they run beside the last bucket's collective, which moves its bytes over the
  * link between the GPUs, rather than after it (the default) or beside the backward's kernels,
  * whose memory bandwidth they would take (DDPC_CAST_BACK=early); and ahead of the last
  * bucket's own casts back on that stream (post_chunks). Called with r->mu held, every bucket
@@ -898,12 +910,17 @@ static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
     size_t staged = ddpc_group_staged_min_bytes(r->g);
     int before = wire && bk->device >= 0 && r->comm_casts &&
                  !(staged && bk->count * ddpc_dtype_size(dt) >= staged);
-    /* the copies into slots (and, unless they go on the communication stream, the casts) go on
-     * the gradients' stream, and the collective's stream waits for them */
-    ddpc_status st = flush_due(r, bk, stream, !before);
-    if (st == DDPC_OK && before && bk->ndue && bk->due_stream != stream)
+    /* DDPC_CAST_BACK=overlap: the last bucket in chunks, each cast into the wire just before its
+     * collective (post_chunks) */
+    int chunked = wire && bk->device >= 0 && r->cast_back == CAST_BACK_OVERLAP && !before &&
+                  b == r->nbuckets - 1 && bk->count * ddpc_dtype_size(dt) >= LAST_CHUNK_MIN_BYTES &&
+                  !(staged && bk->count * ddpc_dtype_size(dt) >= staged);
+    /* the copies into slots (and, unless they go on the communication stream or with each chunk,
+     * the casts) go on the gradients' stream, and the collective's stream waits for them */
+    ddpc_status st = flush_due(r, bk, stream, !before && !chunked);
+    if (st == DDPC_OK && (before || chunked) && bk->ndue && bk->due_stream != stream)
         st = ddpc_device_stream_wait(stream, bk->due_stream);
-    if (st == DDPC_OK && wire && !before) st = to_wire(r, bk, stream);
+    if (st == DDPC_OK && wire && !before && !chunked) st = to_wire(r, bk, stream);
     if (st != DDPC_OK)
         return ddpc_error_prefix(st, "reducer: queueing gradient bucket %d's copies and casts "
                                  "(%zu x %s): ", b, bk->count, ddpc_dtype_name(bk->dtype));
@@ -916,9 +933,6 @@ static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
         .after = before ? unwire_after : early ? unwire_early : NULL, .hook_ctx = bk,
         .defer = r->defer && !before,
     };
-    int chunked = wire && bk->device >= 0 && r->cast_back == CAST_BACK_OVERLAP && !before &&
-                  b == r->nbuckets - 1 && bk->count * ddpc_dtype_size(dt) >= LAST_CHUNK_MIN_BYTES &&
-                  !(staged && bk->count * ddpc_dtype_size(dt) >= staged);
     if (r->cast_back == CAST_BACK_OVERLAP && b == r->nbuckets - 1)
         st = unwire_beside_last(r, stream);
     if (st == DDPC_OK && chunked && !r->back_stream)

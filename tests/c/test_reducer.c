@@ -19,7 +19,12 @@ struct DdpcWork {
     DdpcCollArgs args;
     int refs;
     int done;
+    int launches; /* device launches logged before it was posted */
 };
+
+#define MAX_LAUNCH 256
+static uintptr_t g_launch_stream[MAX_LAUNCH];
+static int g_nlaunch;
 
 #define MAX_LOG 64
 static DdpcWork *g_log[MAX_LOG];
@@ -39,6 +44,7 @@ ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **o
     if (!w) return ddpc_error(DDPC_ERR_NOMEM, "fake group: out of memory");
     w->seq = ++g_seq;
     w->args = *args;
+    w->launches = g_nlaunch;
     w->refs = 2; /* the caller's and the log's */
     g_log[g_nlog++] = w;
     if (args->device >= 0) {
@@ -103,10 +109,8 @@ int ddpc_group_size(const DdpcGroup *g) {
     return 2; /* (this rank and the pretended other one) */
 }
 
-/* The device helpers, on host memory: each launch is logged with its stream. */
-#define MAX_LAUNCH 256
-static uintptr_t g_launch_stream[MAX_LAUNCH];
-static int g_nlaunch;
+/* The device helpers, on host memory: each launch is logged with its stream (g_launch_stream,
+ * above). */
 
 static uintptr_t g_fail_stream; /* nonzero: launches on this stream fail, as a bad launch would */
 
@@ -918,9 +922,10 @@ static void test_device_cast_back_early(void) {
 }
 
 /* DDPC_CAST_BACK=overlap, a last bucket whose bf16 wire holds 8 MiB or more: it is reduced in 4
- * collectives over consecutive parts of its wire, each cast back behind its own on the
- * reducer's stream, split inside a gradient (cast from where autograd left it); every element
- * comes back averaged. The bucket before it is one collective. */
+ * collectives over consecutive parts of its wire, each cast into the wire on the caller's
+ * stream just before it is posted and cast back behind it on the reducer's stream, split inside
+ * a gradient (cast from where autograd left it); every element comes back averaged. The bucket
+ * before it is one collective. */
 static void test_last_bucket_in_chunks(void) {
     enum { CALLER = 5 };
     size_t big = ((size_t)5 << 20) + 3; /* 10 MiB of bf16 */
@@ -953,6 +958,7 @@ static void test_last_bucket_in_chunks(void) {
     int direct = -1, unused = -1;
     if (nb == 2 && g1) {
         OK(ddpc_reducer_prepare(r));
+        g_nlaunch = 0;
         OK(ddpc_reducer_mark_ready_grad(r, 0, g0, CALLER, &direct));
         OK(ddpc_reducer_mark_ready_grad(r, 1, g1, CALLER, &direct));
         EXPECT(direct == 1, "direct %d", direct);
@@ -964,6 +970,15 @@ static void test_last_bucket_in_chunks(void) {
                    "chunk %d: at element %zu, %zu elements", k - 1,
                    (size_t)((uint16_t *)a->recv - wire[1]), a->count);
             next += a->count;
+            /* since the previous post: one cast into the wire, on the caller's stream, last */
+            int at = g_log[k]->launches;
+            int since = k == 1 ? 1 : at - g_log[k - 1]->launches;
+            int caller = 0;
+            for (int l = at - since; l < at; l++) caller += l >= 0 && g_launch_stream[l] == CALLER;
+            EXPECT(at > 0 && g_launch_stream[at - 1] == CALLER && caller == 1,
+                   "chunk %d: %d casts on the caller's stream since the last post, the last "
+                   "launch before it on stream %lu", k - 1, caller,
+                   at > 0 ? (unsigned long)g_launch_stream[at - 1] : 0UL);
         }
         EXPECT(next == count[1], "the chunks cover %zu of %zu elements", next, count[1]);
         EXPECT(g1[0] == 2.5f && g1[big - 1] == 2.5f, "chunks not cast back as queued");
