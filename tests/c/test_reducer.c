@@ -921,6 +921,31 @@ static void test_device_cast_back_early(void) {
     expect_setting_refused("DDPC_CAST_BACK", "now", "use end or early or overlap");
 }
 
+/* The collectives logged from g_log[first] on are the parts of one bucket's wire (count
+ * elements at wire), in order, each cast back behind its own (`after`) and each posted right
+ * after its part's casts into the wire on `caller` (launches there since the previous post, the
+ * last of them right before the post). */
+static void expect_chunks(const uint16_t *wire, size_t count, uintptr_t caller, int first) {
+    size_t next = 0;
+    for (int k = first; k < g_nlog; k++) {
+        const DdpcCollArgs *a = &g_log[k]->args;
+        EXPECT(a->recv == (void *)(wire + next) && a->after != NULL && a->count > 0,
+               "chunk %d: at element %zu, %zu elements", k - first,
+               (size_t)((const uint16_t *)a->recv - wire), a->count);
+        next += a->count;
+        /* since the previous post (or before the first): its casts into the wire, last */
+        int at = g_log[k]->launches, on_caller = 0;
+        int from = k == first ? at - 1 : g_log[k - 1]->launches;
+        for (int l = from; l < at; l++) on_caller += l >= 0 && g_launch_stream[l] == caller;
+        EXPECT(at > 0 && g_launch_stream[at - 1] == caller &&
+                   (k == first || on_caller >= 1),
+               "chunk %d: %d casts on the caller's stream since the last post, the last launch "
+               "before it on stream %lu", k - first, on_caller,
+               at > 0 ? (unsigned long)g_launch_stream[at - 1] : 0UL);
+    }
+    EXPECT(next == count, "the chunks cover %zu of %zu elements", next, count);
+}
+
 /* DDPC_CAST_BACK=overlap, a last bucket whose bf16 wire holds 8 MiB or more: it is reduced in 4
  * collectives over consecutive parts of its wire, each cast into the wire on the caller's
  * stream just before it is posted and cast back behind it on the reducer's stream, split inside
@@ -963,24 +988,7 @@ static void test_last_bucket_in_chunks(void) {
         OK(ddpc_reducer_mark_ready_grad(r, 1, g1, CALLER, &direct));
         EXPECT(direct == 1, "direct %d", direct);
         EXPECT(g_nlog == 5, "%d collectives for a bucket and a chunked one", g_nlog);
-        size_t next = 0;
-        for (int k = 1; k < g_nlog; k++) {
-            const DdpcCollArgs *a = &g_log[k]->args;
-            EXPECT(a->recv == (void *)(wire[1] + next) && a->after != NULL && a->count > 0,
-                   "chunk %d: at element %zu, %zu elements", k - 1,
-                   (size_t)((uint16_t *)a->recv - wire[1]), a->count);
-            next += a->count;
-            /* since the previous post: one cast into the wire, on the caller's stream, last */
-            int at = g_log[k]->launches;
-            int since = k == 1 ? 1 : at - g_log[k - 1]->launches;
-            int caller = 0;
-            for (int l = at - since; l < at; l++) caller += l >= 0 && g_launch_stream[l] == CALLER;
-            EXPECT(at > 0 && g_launch_stream[at - 1] == CALLER && caller == 1,
-                   "chunk %d: %d casts on the caller's stream since the last post, the last "
-                   "launch before it on stream %lu", k - 1, caller,
-                   at > 0 ? (unsigned long)g_launch_stream[at - 1] : 0UL);
-        }
-        EXPECT(next == count[1], "the chunks cover %zu of %zu elements", next, count[1]);
+        expect_chunks(wire[1], count[1], CALLER, 1);
         EXPECT(g1[0] == 2.5f && g1[big - 1] == 2.5f, "chunks not cast back as queued");
         OK(ddpc_reducer_finalize(r, CALLER, &unused));
         size_t wrong = 0;
@@ -990,6 +998,76 @@ static void test_last_bucket_in_chunks(void) {
         EXPECT(g_nwaits > 0 && g_waits[g_nwaits - 1][0] == CALLER &&
                    g_waits[g_nwaits - 1][1] == BACK_STREAM,
                "finalize did not order the caller's stream after the casts back");
+        clear_log();
+    }
+    ddpc_reducer_destroy(r);
+    free(g1);
+    for (int b = 0; b < 2; b++) {
+        free(wire[b]);
+        free(mem[b]);
+    }
+}
+
+/* The same bucket launched by finalize (its second parameter unused), its one gradient having
+ * arrived on another stream: the caller's stream waits for that one before the parts are cast
+ * into the wire on it, the unused slot goes as zeros, and every element comes back averaged. */
+static void test_last_bucket_chunks_at_finalize(void) {
+    enum { CALLER = 5, SIDE = 7 };
+    size_t big = ((size_t)5 << 20) + 3;
+    size_t numels[3] = {3, big, 4};
+    ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
+    int devs[3] = {0, 0, 0}, order[3] = {0, 1, 2};
+    setenv("DDPC_CAST_BACK", "overlap", 1);
+    DdpcReducer *r = NULL;
+    /* a first bucket of 32 bytes (parameter 0), then one of up to 64 MiB (1 and 2) */
+    OK(ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 32, (size_t)64 << 20,
+                           DDPC_BFLOAT16, &r));
+    unsetenv("DDPC_CAST_BACK");
+    if (!r) return;
+    int nb = ddpc_reducer_num_buckets(r), bucket[3] = {-1, -1, -1};
+    size_t off[3] = {0, 0, 0};
+    for (int i = 0; i < 3; i++) OK(ddpc_reducer_param_slot(r, i, &bucket[i], &off[i]));
+    EXPECT(nb == 2 && bucket[0] == 0 && bucket[1] == 1 && bucket[2] == 1, "%d buckets: %d %d %d",
+           nb, bucket[0], bucket[1], bucket[2]);
+    uint16_t *wire[2] = {NULL, NULL};
+    float *mem[2] = {NULL, NULL};
+    size_t count[2] = {0, 0};
+    for (int b = 0; b < nb && b < 2; b++) {
+        ddpc_dtype dt;
+        int dev;
+        OK(ddpc_reducer_bucket_info(r, b, &dt, &dev, &count[b]));
+        wire[b] = calloc(count[b], sizeof *wire[b]);
+        mem[b] = malloc(count[b] * sizeof(float));
+        for (size_t i = 0; mem[b] && i < count[b]; i++) mem[b][i] = 9.0f; /* (not zeroed) */
+        OK(ddpc_reducer_set_bucket_memory(r, b, mem[b]));
+        OK(ddpc_reducer_set_bucket_wire(r, b, wire[b]));
+    }
+    float g0[3] = {2, 2, 2};
+    float *g1 = malloc(big * sizeof *g1);
+    for (size_t i = 0; g1 && i < big; i++) g1[i] = 4.0f;
+    int direct = -1, unused = -1;
+    if (nb == 2 && bucket[2] == 1 && g1 && mem[1]) {
+        OK(ddpc_reducer_prepare(r));
+        g_nlaunch = 0;
+        g_nwaits = 0;
+        OK(ddpc_reducer_mark_ready_grad(r, 0, g0, CALLER, &direct));
+        OK(ddpc_reducer_mark_ready_grad(r, 1, g1, SIDE, &direct));
+        EXPECT(g_nlog == 1, "%d collectives before finalize", g_nlog);
+        OK(ddpc_reducer_finalize(r, CALLER, &unused));
+        EXPECT(unused == 1, "%d unused", unused);
+        EXPECT(g_nlog == 5, "%d collectives for a bucket and a chunked one", g_nlog);
+        int waited = -1;
+        for (int k = 0; k < g_nwaits; k++)
+            if (g_waits[k][0] == CALLER && g_waits[k][1] == SIDE) waited = k;
+        EXPECT(waited >= 0, "the caller's stream never waited for the gradient's");
+        if (g_nlog == 5) expect_chunks(wire[1], count[1], CALLER, 1);
+        size_t wrong = 0;
+        for (size_t i = 0; i < big; i++) wrong += g1[i] != 2.5f;
+        EXPECT(wrong == 0 && g0[0] == 1.5f, "after finalize: %zu wrong elements; g0 %g", wrong,
+               (double)g0[0]);
+        EXPECT(mem[1][off[2]] == 0.5f && mem[1][off[2] + 3] == 0.5f,
+               "the unused slot: %g %g (zeros averaged with the other rank's ones: 0.5)",
+               (double)mem[1][off[2]], (double)mem[1][off[2] + 3]);
         clear_log();
     }
     ddpc_reducer_destroy(r);
@@ -1091,6 +1169,7 @@ static void test_device_cast_back_overlap(void) {
         free(mem[b]);
     }
     test_last_bucket_in_chunks();
+    test_last_bucket_chunks_at_finalize();
 }
 
 static void test_bad_arguments(void) {
