@@ -872,11 +872,11 @@ static ddpc_status post_chunks(DdpcReducer *r, Bucket *bk, const DdpcCollArgs *w
 /* With DDPC_CAST_BACK=overlap, as the last bucket launches: the device wire buckets before it
  * are cast back on back_stream, which first waits for the caller's stream (where the backward's
  * kernels are queued, then the last bucket's casts into the wire unless it goes in chunks) and
- * then for each one's collective. So they run beside the last bucket's collective, which moves its bytes over the
- * link between the GPUs, rather than after it (the default) or beside the backward's kernels,
- * whose memory bandwidth they would take (DDPC_CAST_BACK=early); and ahead of the last
- * bucket's own casts back on that stream (post_chunks). Called with r->mu held, every bucket
- * before the last launched. */
+ * then for each one's collective. So they run beside the last bucket's collective, which moves
+ * its bytes over the link between the GPUs, rather than after it (the default) or beside the
+ * backward's kernels, whose memory bandwidth they would take (DDPC_CAST_BACK=early); and ahead
+ * of the last bucket's own casts back on that stream (post_chunks). Called with r->mu held,
+ * every bucket before the last launched. */
 static ddpc_status unwire_beside_last(DdpcReducer *r, uintptr_t stream) {
     int last = r->nbuckets - 1, any = 0;
     for (int b = 0; b < last && !any; b++) {
