@@ -1932,6 +1932,12 @@ static void post_deferred(NcclImpl *im, DdpcWork *w, int bound) {
     wd->ready = NULL;
 }
 
+/* ddpc_group_wait_posted: every post queued so far has left the posting thread. */
+static ddpc_status nccl_wait_posted(DdpcGroup *g) {
+    NcclImpl *im = g->impl;
+    return im && im->poster_started ? wait_posted(im, NULL) : DDPC_OK;
+}
+
 static void *poster_main(void *arg) {
     NcclImpl *im = arg;
     cudaError_t e = cudaSetDevice(im->device);
@@ -2410,6 +2416,7 @@ const DdpcBackendOps ddpc_backend_nccl = {
     .trace_stop = nccl_trace_stop,
     .trace_collect = nccl_trace_collect,
     .window_alloc = nccl_window_alloc,
+    .wait_posted = nccl_wait_posted,
 };
 
 #else /* !DDPC_WITH_CUDA */

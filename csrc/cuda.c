@@ -78,6 +78,12 @@ ddpc_status ddpc_device_stream_create(uintptr_t *out) {
 
 void ddpc_device_stream_destroy(uintptr_t stream) { (void)stream; }
 
+ddpc_status ddpc_device_stream_finish(uintptr_t stream, int64_t timeout_ms) {
+    (void)stream;
+    (void)timeout_ms;
+    return ddpc_error(DDPC_ERR_UNAVAILABLE, "cannot wait for a CUDA stream: " DDPC_NO_CUDA_HINT);
+}
+
 ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
                              size_t n, float scale, uintptr_t stream) {
     (void)dst;

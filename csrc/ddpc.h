@@ -240,6 +240,11 @@ void ddpc_group_abort(DdpcGroup *g, ddpc_status st, const char *why);
 /* Validates args, assigns the next sequence number, and queues the collective. *out is a new
  * reference; release it with ddpc_work_release. Works complete in posting order. */
 ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **out);
+/* Waits until the thread that issues deferred posts (nccl) is done with every post queued so far:
+ * issued it and ran its `before`/`after` work, or dropped it after an abort. A work can be
+ * complete (an abort completes every work) while that thread still runs its `after` work, which
+ * may use memory its poster is about to free. Interruptible; nothing to wait for elsewhere. */
+ddpc_status ddpc_group_wait_posted(DdpcGroup *g);
 /* A synchronous all-reduce queued on args->stream without a work, when the backend has a path
  * for it (nccl: small messages between the GPUs of one host). *ran = 0: nothing was done, post
  * it instead. The next sequence number is used only when it ran. */
@@ -452,6 +457,10 @@ ddpc_status ddpc_device_stream_wait(uintptr_t waiter, uintptr_t signaler);
  * integer. ddpc_device_stream_destroy lets it go (work queued there still completes). */
 ddpc_status ddpc_device_stream_create(uintptr_t *out);
 void ddpc_device_stream_destroy(uintptr_t stream);
+/* Waits on the host until the work queued on `stream` is done, polling so that it stays
+ * interruptible and gives up with an error after timeout_ms (< 0: never) rather than hang behind
+ * a collective that never ends. */
+ddpc_status ddpc_device_stream_finish(uintptr_t stream, int64_t timeout_ms);
 /* dst[i] = (dst_dt)(src[i] * scale) for float32/float16/bfloat16/float64 pairs. */
 ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,
                              size_t n, float scale, uintptr_t stream);

@@ -290,6 +290,10 @@ size_t ddpc_group_fast_max_bytes(const DdpcGroup *g) { return g->fast_max_bytes;
 size_t ddpc_group_staged_min_bytes(const DdpcGroup *g) { return g->staged_min_bytes; }
 uint64_t ddpc_group_deferred_count(DdpcGroup *g) { return atomic_load(&g->n_deferred); }
 
+ddpc_status ddpc_group_wait_posted(DdpcGroup *g) {
+    return g->ops->wait_posted ? g->ops->wait_posted(g) : DDPC_OK;
+}
+
 ddpc_status ddpc_group_window_alloc(DdpcGroup *g, size_t bytes, void **out) {
     *out = NULL;
     if (!bytes)

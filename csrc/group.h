@@ -51,6 +51,8 @@ typedef struct DdpcBackendOps {
                                  uint64_t *dropped);
     /* Optional (nccl): ddpc_group_window_alloc. */
     ddpc_status (*window_alloc)(DdpcGroup *g, size_t bytes, void **out);
+    /* Optional (nccl): ddpc_group_wait_posted. */
+    ddpc_status (*wait_posted)(DdpcGroup *g);
 } DdpcBackendOps;
 
 struct DdpcGroup {

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <ctime>
 #include <type_traits>
 
 #include "common.h"
@@ -428,6 +429,28 @@ void ddpc_device_stream_destroy(uintptr_t stream) {
     cudaError_t e = cudaStreamDestroy(reinterpret_cast<cudaStream_t>(stream));
     if (e != cudaSuccess)
         DDPC_INFO("CUDA", "cudaStreamDestroy failed: %s", cudaGetErrorString(e));
+}
+
+ddpc_status ddpc_device_stream_finish(uintptr_t stream, int64_t timeout_ms) {
+    int64_t deadline = ddpc_deadline(timeout_ms), next_check = ddpc_now_ms() + DDPC_SLICE_MS;
+    unsigned pause_us = 20;
+    for (;;) {
+        cudaError_t e = cudaStreamQuery(reinterpret_cast<cudaStream_t>(stream));
+        if (e == cudaSuccess) return DDPC_OK;
+        if (e != cudaErrorNotReady)
+            return ddpc_error(DDPC_ERR_CUDA, "waiting for the work on stream %#lx failed: %s",
+                              (unsigned long)stream, cudaGetErrorString(e));
+        if (ddpc_now_ms() >= deadline)
+            return ddpc_error(DDPC_ERR_TIMEOUT, "the work on stream %#lx was not done after %lld "
+                              "ms", (unsigned long)stream, (long long)timeout_ms);
+        if (ddpc_now_ms() >= next_check) { /* (Ctrl-C, once a slice) */
+            DDPC_CHECK(ddpc_check_interrupt());
+            next_check = ddpc_now_ms() + DDPC_SLICE_MS;
+        }
+        struct timespec ts = {0, (long)pause_us * 1000L};
+        nanosleep(&ts, nullptr);
+        if (pause_us < 1000) pause_us *= 2;
+    }
 }
 
 ddpc_status ddpc_device_cast(void *dst, ddpc_dtype dst_dt, const void *src, ddpc_dtype src_dt,

@@ -398,20 +398,33 @@ fail:
     return st;
 }
 
-/* Waits for every collective still in flight and drops it; returns the first failure. */
+/* The first failure of several steps, with its message (later ones overwrite the last error). */
+static void keep_first(ddpc_status st, ddpc_status *first, char *msg, size_t len) {
+    if (st == DDPC_OK || *first != DDPC_OK) return;
+    *first = st;
+    snprintf(msg, len, "%s", ddpc_last_error());
+}
+
+/* Waits for every collective still in flight and drops it; then for what the posting thread may
+ * still be doing with them (an abort completes a work while its `after` casts may still be
+ * queueing) and for the casts on back_stream (DDPC_CAST_BACK=early|overlap), which read the
+ * wires and write the gradients that the caller lets go next. Outside a finished step these
+ * have not been ordered before the caller's stream. Returns the first failure. */
 static ddpc_status drain(DdpcReducer *r) {
     ddpc_status first = DDPC_OK;
     char msg[1024] = "";
     for (int b = 0; b < r->nbuckets; b++) {
         Bucket *bk = &r->buckets[b];
         if (!bk->work) continue;
-        ddpc_status st = ddpc_work_wait(bk->work);
-        if (st != DDPC_OK && first == DDPC_OK) {
-            first = st;
-            snprintf(msg, sizeof msg, "%s", ddpc_last_error());
-        }
+        keep_first(ddpc_work_wait(bk->work), &first, msg, sizeof msg);
         ddpc_work_release(bk->work);
         bk->work = NULL;
+    }
+    keep_first(ddpc_group_wait_posted(r->g), &first, msg, sizeof msg);
+    if (r->back_stream) {
+        ddpc_status st = ddpc_device_stream_finish(r->back_stream, ddpc_group_timeout_ms(r->g));
+        if (st != DDPC_OK) ddpc_error_prefix(st, "the gradients' casts back: ");
+        keep_first(st, &first, msg, sizeof msg);
     }
     if (first != DDPC_OK) return ddpc_error(first, "%s", msg);
     return DDPC_OK;
@@ -420,8 +433,6 @@ static ddpc_status drain(DdpcReducer *r) {
 void ddpc_reducer_destroy(DdpcReducer *r) {
     if (!r) return;
     drain(r);
-    /* (the casts queued there are done: drain waited for every collective, which runs its
-     * `after` work before it counts as done) */
     if (r->back_stream) ddpc_device_stream_destroy(r->back_stream);
     pthread_mutex_destroy(&r->mu);
     free_arrays(r);
@@ -589,7 +600,10 @@ ddpc_status ddpc_reducer_prepare(DdpcReducer *r) {
             return ddpc_error(DDPC_ERR_INVALID, "reducer: bucket %d has no memory yet: call "
                               "set_bucket_memory for every bucket before the first step", b);
     pthread_mutex_lock(&r->mu);
+    /* (a bucket's collectives are posted only when it launches, except after a failure part of
+     * the way through a bucket posted in chunks) */
     int unfinished = r->step_active && (r->nseen > 0 || r->next_launch > 0);
+    for (int b = 0; b < r->nbuckets && !unfinished; b++) unfinished = r->buckets[b].work != NULL;
     int seen = r->nseen;
     ddpc_status st = unfinished ? drain(r) : DDPC_OK;
     reset_step(r);

@@ -519,16 +519,23 @@ def sc_mismatch(rank):
             ("cap", Net(4), {"bucket_cap_mb": 25 if rank == 0 else 0.5}),
             ("dtype", Net(4), {"grad_dtype": torch.bfloat16} if rank == 1 else {}),
             ("buffers", Net(4), {"broadcast_buffers": rank == 0}),
-            ("tail", Net(4), {})):
-        if case == "tail":  # (read by the reducer as it assigns the buckets)
-            os.environ["DDPC_TAIL_BUCKET_MB"] = str(rank)
+            ("tail", Net(4), {}), ("comm_casts", Net(4), {}), ("same_words", Net(4), {})):
+        env = {  # (read by the reducer as it assigns the buckets and queues the collectives)
+            "tail": {"DDPC_TAIL_BUCKET_MB": str(rank)},
+            "comm_casts": {"DDPC_COMM_CASTS": str(rank)},
+            # the same settings in other words: no mismatch
+            "same_words": ({"DDPC_CAST_BACK": "Overlap", "DDPC_COMM_CASTS": "true"} if rank == 0
+                           else {"DDPC_CAST_BACK": "overlap", "DDPC_COMM_CASTS": "1"}),
+        }.get(case, {})
+        os.environ.update(env)
         try:
             ddpc.wrap_model(model, **kwargs)
             out[case] = None
         except ddpc.MismatchError as e:
             out[case] = str(e)
         finally:
-            os.environ.pop("DDPC_TAIL_BUCKET_MB", None)
+            for k in env:
+                del os.environ[k]
     ok = ddpc.wrap_model(Net(4))  # the group is still usable
     out["after"] = len(ok._params)
     return out
@@ -842,6 +849,8 @@ def test_mismatched_models_raise_on_every_rank(runs):
         assert ("rank 0 has broadcast_buffers=True but rank 1 has broadcast_buffers=False"
                 in r["buffers"])
         assert "rank 0 has DDPC_TAIL_BUCKET_MB=0 but rank 1 has DDPC_TAIL_BUCKET_MB=1" in r["tail"]
+        assert "rank 0 has DDPC_COMM_CASTS=0 but rank 1 has DDPC_COMM_CASTS=1" in r["comm_casts"]
+        assert r["same_words"] is None
         assert r["after"] == 2
 
 

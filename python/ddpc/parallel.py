@@ -157,6 +157,17 @@ def _env_number(name: str) -> str:
         return v
 
 
+_FLAG_WORDS = {"true": "1", "yes": "1", "on": "1", "false": "0", "no": "0", "off": "0"}
+
+
+def _env_word(name: str, default: str) -> str:
+    """An environment variable that takes words (a flag, a choice), as every rank should compare
+    it: in lower case, a flag's true/yes/on as 1 and false/no/off as 0, unset or empty as the
+    default (values the setting refuses fail elsewhere, with their own message)."""
+    v = (os.environ.get(name) or default).lower()
+    return _FLAG_WORDS.get(v, v)
+
+
 def _verify_same_model(module: torch.nn.Module, group: Any, device: torch.device,
                        local_problem: Optional[Exception],
                        settings: Sequence[Tuple[str, str]] = ()) -> None:
@@ -310,9 +321,10 @@ class DistributedModel(torch.nn.Module):
                 ("broadcast_buffers", str(broadcast_buffers)),
                 ("DDPC_TAIL_BUCKET_MB", _env_number("DDPC_TAIL_BUCKET_MB")),
                 ("DDPC_NCCL_WINDOW_MB", _env_number("DDPC_NCCL_WINDOW_MB")),
-                # (overlap changes how many collectives the last bucket takes)
-                ("DDPC_CAST_BACK", os.environ.get("DDPC_CAST_BACK") or "end"),
-                ("DDPC_EMBEDDING_ROWS", os.environ.get("DDPC_EMBEDDING_ROWS") or "auto")])
+                # (both decide how many collectives the last bucket takes with overlap)
+                ("DDPC_CAST_BACK", _env_word("DDPC_CAST_BACK", "end")),
+                ("DDPC_COMM_CASTS", _env_word("DDPC_COMM_CASTS", "0")),
+                ("DDPC_EMBEDDING_ROWS", _env_word("DDPC_EMBEDDING_ROWS", "auto"))])
             if self._world > 1:
                 _broadcast_flat([p.data for p in module.parameters()] + list(module.buffers()),
                                 group, self._device)

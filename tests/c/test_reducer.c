@@ -37,9 +37,22 @@ enum { COMM_STREAM = 99 };
 
 ddpc_status ddpc_work_wait(DdpcWork *w);
 
+/* >= 0: the post that would be logged at this index fails, as a collective NCCL refused would. */
+static int g_fail_post_at = -1;
+/* How often the reducer waited for the posting thread to be done with its posts. */
+static int g_wait_posted_calls;
+
+ddpc_status ddpc_group_wait_posted(DdpcGroup *g) {
+    (void)g;
+    g_wait_posted_calls++;
+    return DDPC_OK;
+}
+
 ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **out) {
     (void)g;
     if (g_nlog == MAX_LOG) return ddpc_error(DDPC_ERR_INVALID, "fake group: log full");
+    if (g_nlog == g_fail_post_at)
+        return ddpc_error(DDPC_ERR_NCCL, "fake group: post %d refused", g_nlog);
     DdpcWork *w = calloc(1, sizeof *w);
     if (!w) return ddpc_error(DDPC_ERR_NOMEM, "fake group: out of memory");
     w->seq = ++g_seq;
@@ -104,6 +117,10 @@ void ddpc_work_release(DdpcWork *w) {
 
 uint64_t ddpc_work_seq(const DdpcWork *w) { return w->seq; }
 int ddpc_group_rank(const DdpcGroup *g) { return g->rank; }
+int64_t ddpc_group_timeout_ms(const DdpcGroup *g) {
+    (void)g;
+    return 1000;
+}
 int ddpc_group_size(const DdpcGroup *g) {
     (void)g;
     return 2; /* (this rank and the pretended other one) */
@@ -189,6 +206,16 @@ ddpc_status ddpc_device_stream_create(uintptr_t *out) {
 
 void ddpc_device_stream_destroy(uintptr_t stream) {
     if (stream == BACK_STREAM) g_streams_destroyed++;
+}
+
+/* The streams whose work the host waited for, in order. */
+static uintptr_t g_finished[MAX_WAITS];
+static int g_nfinished;
+
+ddpc_status ddpc_device_stream_finish(uintptr_t stream, int64_t timeout_ms) {
+    (void)timeout_ms;
+    if (g_nfinished < MAX_WAITS) g_finished[g_nfinished++] = stream;
+    return DDPC_OK;
 }
 
 static void clear_log(void) {
@@ -1078,6 +1105,119 @@ static void test_last_bucket_chunks_at_finalize(void) {
     }
 }
 
+/* DDPC_CAST_BACK=overlap, a step abandoned after its last bucket launched (the backward raised
+ * before its end): the casts back queued on the reducer's stream write gradients the caller lets
+ * go at the next forward, and the posting thread may still run a post's `after` casts. So the
+ * next prepare, which says the step did not finish, first waits on the host for that stream and
+ * for the posting thread; so does destroy. A finished step waits for neither at the next
+ * prepare (the caller's stream waited for the reducer's at finalize). */
+static void test_unfinished_overlap_step_waits_for_casts_back(void) {
+    enum { CALLER = 5 };
+    size_t numels[3] = {3, 5, 2};
+    ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
+    int devs[3] = {0, 0, 0}, order[3] = {0, 1, 2};
+    setenv("DDPC_CAST_BACK", "overlap", 1);
+    DdpcReducer *r = NULL;
+    OK(ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 32, 32, DDPC_BFLOAT16,
+                           &r));
+    unsetenv("DDPC_CAST_BACK");
+    if (!r) return;
+    int nb = ddpc_reducer_num_buckets(r);
+    uint16_t *wire[2] = {NULL, NULL};
+    float *mem[2] = {NULL, NULL};
+    for (int b = 0; b < nb && b < 2; b++) {
+        ddpc_dtype dt;
+        int dev;
+        size_t count;
+        OK(ddpc_reducer_bucket_info(r, b, &dt, &dev, &count));
+        wire[b] = calloc(count, sizeof *wire[b]);
+        mem[b] = calloc(count, sizeof(float));
+        OK(ddpc_reducer_set_bucket_memory(r, b, mem[b]));
+        OK(ddpc_reducer_set_bucket_wire(r, b, wire[b]));
+    }
+    EXPECT(nb == 2, "%d buckets", nb);
+    if (nb == 2) {
+        int unused = -1;
+        g_nfinished = g_wait_posted_calls = 0;
+        OK(ddpc_reducer_prepare(r)); /* a finished step, then the next prepare */
+        for (int i = 0; i < 3; i++) OK(ddpc_reducer_mark_ready(r, i, CALLER));
+        OK(ddpc_reducer_finalize(r, CALLER, &unused));
+        OK(ddpc_reducer_prepare(r));
+        EXPECT(g_nfinished == 0 && g_wait_posted_calls == 0,
+               "after a finished step prepare waited on the host: %d streams, %d posting waits",
+               g_nfinished, g_wait_posted_calls);
+        for (int i = 0; i < 3; i++) OK(ddpc_reducer_mark_ready(r, i, CALLER));
+        EXPECT(g_nlog >= 4, "%d collectives: the last bucket did not launch", g_nlog);
+        /* no finalize: the backward raised */
+        EXPECT(ddpc_reducer_prepare(r) == DDPC_ERR_INVALID &&
+                   strstr(ddpc_last_error(), "did not finish") != NULL,
+               "the abandoned step was not reported: %s", ddpc_last_error());
+        EXPECT(g_nfinished == 1 && g_finished[0] == BACK_STREAM && g_wait_posted_calls == 1,
+               "prepare after the abandoned step: %d streams waited for (the first %lu), %d "
+               "posting waits", g_nfinished, g_nfinished ? (unsigned long)g_finished[0] : 0UL,
+               g_wait_posted_calls);
+        clear_log();
+    }
+    g_nfinished = 0;
+    ddpc_reducer_destroy(r);
+    EXPECT(g_nfinished == 1 && g_finished[0] == BACK_STREAM,
+           "destroy waited for %d streams", g_nfinished);
+    for (int b = 0; b < 2; b++) {
+        free(wire[b]);
+        free(mem[b]);
+    }
+}
+
+/* A bucket posted in chunks whose third post fails, in a finalize that launched it (its one
+ * parameter unused): two of its collectives are in flight, though no gradient arrived and no
+ * bucket counts as launched. The next prepare reports the unfinished step and waits for them,
+ * after which the bucket's memory may change and the next step reduces it whole. */
+static void test_failed_chunk_post_leaves_no_work_behind(void) {
+    enum { CALLER = 5 };
+    size_t big = ((size_t)5 << 20) + 3;
+    ddpc_dtype dt32 = DDPC_FLOAT32;
+    int dev = 0, order = 0;
+    setenv("DDPC_CAST_BACK", "overlap", 1);
+    DdpcReducer *r = NULL;
+    OK(ddpc_reducer_create(&g_group, 1, &big, &dt32, &dev, &order, NULL, 32, 32, DDPC_BFLOAT16,
+                           &r));
+    unsetenv("DDPC_CAST_BACK");
+    if (!r) return;
+    ddpc_dtype dt;
+    size_t count = 0;
+    OK(ddpc_reducer_bucket_info(r, 0, &dt, &dev, &count));
+    uint16_t *wire = calloc(count, sizeof *wire);
+    float *mem = calloc(count, sizeof *mem);
+    float *other = calloc(count, sizeof *other);
+    if (wire && mem && other) {
+        OK(ddpc_reducer_set_bucket_memory(r, 0, mem));
+        OK(ddpc_reducer_set_bucket_wire(r, 0, wire));
+        int unused = -1;
+        OK(ddpc_reducer_prepare(r));
+        g_fail_post_at = g_nlog + 2;
+        EXPECT(ddpc_reducer_finalize(r, CALLER, &unused) == DDPC_ERR_NCCL,
+               "the refused post was not reported: %s", ddpc_last_error());
+        g_fail_post_at = -1;
+        EXPECT(g_nlog == 2, "%d chunks posted before the refused one", g_nlog);
+        EXPECT(ddpc_reducer_prepare(r) == DDPC_ERR_INVALID &&
+                   strstr(ddpc_last_error(), "did not finish") != NULL,
+               "prepare after the failed finalize: %s", ddpc_last_error());
+        OK(ddpc_reducer_set_bucket_memory(r, 0, other)); /* nothing in flight on it now */
+        clear_log();
+        for (size_t i = 0; i < count; i++) other[i] = 4.0f;
+        OK(ddpc_reducer_mark_ready(r, 0, CALLER));
+        OK(ddpc_reducer_finalize(r, CALLER, &unused));
+        EXPECT(g_nlog == 4 && other[0] == 2.5f && other[count - 1] == 2.5f,
+               "the next step: %d collectives, %g %g", g_nlog, (double)other[0],
+               (double)other[count - 1]);
+        clear_log();
+    }
+    ddpc_reducer_destroy(r);
+    free(wire);
+    free(mem);
+    free(other);
+}
+
 /* DDPC_CAST_BACK=overlap: two device buckets reduced in bfloat16. As the last one launches, the
  * first is cast back on the reducer's own stream, which first waits for the caller's (the end
  * of the backward's kernels); at finalize the last one (too small to split) goes back on the
@@ -1170,6 +1310,8 @@ static void test_device_cast_back_overlap(void) {
     }
     test_last_bucket_in_chunks();
     test_last_bucket_chunks_at_finalize();
+    test_unfinished_overlap_step_waits_for_casts_back();
+    test_failed_chunk_post_leaves_no_work_behind();
 }
 
 static void test_bad_arguments(void) {
