@@ -948,6 +948,47 @@ static void test_device_cast_back_early(void) {
     expect_setting_refused("DDPC_CAST_BACK", "now", "use end or early or overlap");
 }
 
+/* A reducer made with DDPC_CAST_BACK=overlap over n <= 8 float32 parameters on device 0, ready
+ * in index order, reduced in bf16; NULL (a failed check) when it cannot be made. */
+static DdpcReducer *overlap_reducer(int n, const size_t *numels, size_t first_cap, size_t cap) {
+    ddpc_dtype dts[8];
+    int devs[8], order[8];
+    for (int i = 0; i < n && i < 8; i++) {
+        dts[i] = DDPC_FLOAT32;
+        devs[i] = 0;
+        order[i] = i;
+    }
+    setenv("DDPC_CAST_BACK", "overlap", 1);
+    DdpcReducer *r = NULL;
+    OK(ddpc_reducer_create(&g_group, n, numels, dts, devs, order, NULL, first_cap, cap,
+                           DDPC_BFLOAT16, &r));
+    unsetenv("DDPC_CAST_BACK");
+    return r;
+}
+
+/* Gives buckets 0..n-1 of r zeroed float32 memory and bf16 wires of their sizes (count[b]; count
+ * may be NULL); wire_buckets_free lets them go. */
+static void wire_buckets(DdpcReducer *r, int n, float **mem, uint16_t **wire, size_t *count) {
+    for (int b = 0; b < n; b++) {
+        ddpc_dtype dt;
+        int dev;
+        size_t c = 0;
+        OK(ddpc_reducer_bucket_info(r, b, &dt, &dev, &c));
+        if (count) count[b] = c;
+        wire[b] = calloc(c, sizeof *wire[b]);
+        mem[b] = calloc(c, sizeof *mem[b]);
+        OK(ddpc_reducer_set_bucket_memory(r, b, mem[b]));
+        OK(ddpc_reducer_set_bucket_wire(r, b, wire[b]));
+    }
+}
+
+static void wire_buckets_free(int n, float **mem, uint16_t **wire) {
+    for (int b = 0; b < n; b++) {
+        free(wire[b]);
+        free(mem[b]);
+    }
+}
+
 /* The collectives logged from g_log[first] on are the parts of one bucket's wire (count
  * elements at wire), in order, each cast back behind its own (`after`) and each posted right
  * after its part's casts into the wire on `caller` (launches there since the previous post, the
@@ -982,28 +1023,14 @@ static void test_last_bucket_in_chunks(void) {
     enum { CALLER = 5 };
     size_t big = ((size_t)5 << 20) + 3; /* 10 MiB of bf16 */
     size_t numels[2] = {3, big};
-    ddpc_dtype dts[2] = {DDPC_FLOAT32, DDPC_FLOAT32};
-    int devs[2] = {0, 0}, order[2] = {0, 1};
-    setenv("DDPC_CAST_BACK", "overlap", 1);
-    DdpcReducer *r = NULL;
-    OK(ddpc_reducer_create(&g_group, 2, numels, dts, devs, order, NULL, 32, 32, DDPC_BFLOAT16,
-                           &r));
-    unsetenv("DDPC_CAST_BACK");
+    DdpcReducer *r = overlap_reducer(2, numels, 32, 32);
     if (!r) return;
     int nb = ddpc_reducer_num_buckets(r);
     EXPECT(nb == 2, "%d buckets", nb);
     uint16_t *wire[2] = {NULL, NULL};
     float *mem[2] = {NULL, NULL};
     size_t count[2] = {0, 0};
-    for (int b = 0; b < nb && b < 2; b++) {
-        ddpc_dtype dt;
-        int dev;
-        OK(ddpc_reducer_bucket_info(r, b, &dt, &dev, &count[b]));
-        wire[b] = calloc(count[b], sizeof *wire[b]);
-        mem[b] = calloc(count[b], sizeof(float));
-        OK(ddpc_reducer_set_bucket_memory(r, b, mem[b]));
-        OK(ddpc_reducer_set_bucket_wire(r, b, wire[b]));
-    }
+    wire_buckets(r, nb < 2 ? nb : 2, mem, wire, count);
     float g0[3] = {2, 2, 2};
     float *g1 = malloc(big * sizeof *g1);
     for (size_t i = 0; g1 && i < big; i++) g1[i] = 4.0f;
@@ -1029,10 +1056,7 @@ static void test_last_bucket_in_chunks(void) {
     }
     ddpc_reducer_destroy(r);
     free(g1);
-    for (int b = 0; b < 2; b++) {
-        free(wire[b]);
-        free(mem[b]);
-    }
+    wire_buckets_free(2, mem, wire);
 }
 
 /* The same bucket launched by finalize (its second parameter unused), its one gradient having
@@ -1042,14 +1066,8 @@ static void test_last_bucket_chunks_at_finalize(void) {
     enum { CALLER = 5, SIDE = 7 };
     size_t big = ((size_t)5 << 20) + 3;
     size_t numels[3] = {3, big, 4};
-    ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
-    int devs[3] = {0, 0, 0}, order[3] = {0, 1, 2};
-    setenv("DDPC_CAST_BACK", "overlap", 1);
-    DdpcReducer *r = NULL;
     /* a first bucket of 32 bytes (parameter 0), then one of up to 64 MiB (1 and 2) */
-    OK(ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 32, (size_t)64 << 20,
-                           DDPC_BFLOAT16, &r));
-    unsetenv("DDPC_CAST_BACK");
+    DdpcReducer *r = overlap_reducer(3, numels, 32, (size_t)64 << 20);
     if (!r) return;
     int nb = ddpc_reducer_num_buckets(r), bucket[3] = {-1, -1, -1};
     size_t off[3] = {0, 0, 0};
@@ -1059,16 +1077,9 @@ static void test_last_bucket_chunks_at_finalize(void) {
     uint16_t *wire[2] = {NULL, NULL};
     float *mem[2] = {NULL, NULL};
     size_t count[2] = {0, 0};
-    for (int b = 0; b < nb && b < 2; b++) {
-        ddpc_dtype dt;
-        int dev;
-        OK(ddpc_reducer_bucket_info(r, b, &dt, &dev, &count[b]));
-        wire[b] = calloc(count[b], sizeof *wire[b]);
-        mem[b] = malloc(count[b] * sizeof(float));
-        for (size_t i = 0; mem[b] && i < count[b]; i++) mem[b][i] = 9.0f; /* (not zeroed) */
-        OK(ddpc_reducer_set_bucket_memory(r, b, mem[b]));
-        OK(ddpc_reducer_set_bucket_wire(r, b, wire[b]));
-    }
+    wire_buckets(r, nb < 2 ? nb : 2, mem, wire, count);
+    for (int b = 0; b < nb && b < 2; b++) /* (slots not zeroed) */
+        for (size_t i = 0; mem[b] && i < count[b]; i++) mem[b][i] = 9.0f;
     float g0[3] = {2, 2, 2};
     float *g1 = malloc(big * sizeof *g1);
     for (size_t i = 0; g1 && i < big; i++) g1[i] = 4.0f;
@@ -1099,10 +1110,7 @@ static void test_last_bucket_chunks_at_finalize(void) {
     }
     ddpc_reducer_destroy(r);
     free(g1);
-    for (int b = 0; b < 2; b++) {
-        free(wire[b]);
-        free(mem[b]);
-    }
+    wire_buckets_free(2, mem, wire);
 }
 
 /* DDPC_CAST_BACK=overlap, a step abandoned after its last bucket launched (the backward raised
@@ -1114,27 +1122,12 @@ static void test_last_bucket_chunks_at_finalize(void) {
 static void test_unfinished_overlap_step_waits_for_casts_back(void) {
     enum { CALLER = 5 };
     size_t numels[3] = {3, 5, 2};
-    ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
-    int devs[3] = {0, 0, 0}, order[3] = {0, 1, 2};
-    setenv("DDPC_CAST_BACK", "overlap", 1);
-    DdpcReducer *r = NULL;
-    OK(ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 32, 32, DDPC_BFLOAT16,
-                           &r));
-    unsetenv("DDPC_CAST_BACK");
+    DdpcReducer *r = overlap_reducer(3, numels, 32, 32);
     if (!r) return;
     int nb = ddpc_reducer_num_buckets(r);
     uint16_t *wire[2] = {NULL, NULL};
     float *mem[2] = {NULL, NULL};
-    for (int b = 0; b < nb && b < 2; b++) {
-        ddpc_dtype dt;
-        int dev;
-        size_t count;
-        OK(ddpc_reducer_bucket_info(r, b, &dt, &dev, &count));
-        wire[b] = calloc(count, sizeof *wire[b]);
-        mem[b] = calloc(count, sizeof(float));
-        OK(ddpc_reducer_set_bucket_memory(r, b, mem[b]));
-        OK(ddpc_reducer_set_bucket_wire(r, b, wire[b]));
-    }
+    wire_buckets(r, nb < 2 ? nb : 2, mem, wire, NULL);
     EXPECT(nb == 2, "%d buckets", nb);
     if (nb == 2) {
         int unused = -1;
@@ -1162,10 +1155,7 @@ static void test_unfinished_overlap_step_waits_for_casts_back(void) {
     ddpc_reducer_destroy(r);
     EXPECT(g_nfinished == 1 && g_finished[0] == BACK_STREAM,
            "destroy waited for %d streams", g_nfinished);
-    for (int b = 0; b < 2; b++) {
-        free(wire[b]);
-        free(mem[b]);
-    }
+    wire_buckets_free(2, mem, wire);
 }
 
 /* A bucket posted in chunks whose third post fails, in a finalize that launched it (its one
@@ -1175,15 +1165,10 @@ static void test_unfinished_overlap_step_waits_for_casts_back(void) {
 static void test_failed_chunk_post_leaves_no_work_behind(void) {
     enum { CALLER = 5 };
     size_t big = ((size_t)5 << 20) + 3;
-    ddpc_dtype dt32 = DDPC_FLOAT32;
-    int dev = 0, order = 0;
-    setenv("DDPC_CAST_BACK", "overlap", 1);
-    DdpcReducer *r = NULL;
-    OK(ddpc_reducer_create(&g_group, 1, &big, &dt32, &dev, &order, NULL, 32, 32, DDPC_BFLOAT16,
-                           &r));
-    unsetenv("DDPC_CAST_BACK");
+    DdpcReducer *r = overlap_reducer(1, &big, 32, 32);
     if (!r) return;
     ddpc_dtype dt;
+    int dev;
     size_t count = 0;
     OK(ddpc_reducer_bucket_info(r, 0, &dt, &dev, &count));
     uint16_t *wire = calloc(count, sizeof *wire);
@@ -1224,16 +1209,10 @@ static void test_failed_chunk_post_leaves_no_work_behind(void) {
  * caller's stream, which then waits for the reducer's. */
 static void test_device_cast_back_overlap(void) {
     size_t numels[3] = {3, 5, 2};
-    ddpc_dtype dts[3] = {DDPC_FLOAT32, DDPC_FLOAT32, DDPC_FLOAT32};
-    int devs[3] = {0, 0, 0}, order[3] = {0, 1, 2};
     enum { CALLER = 5 };
-    setenv("DDPC_CAST_BACK", "overlap", 1);
     g_streams_made = g_streams_destroyed = 0;
-    DdpcReducer *r = NULL;
     /* buckets of 32 bytes: parameters 0 and 1 (8 floats), then 2 */
-    OK(ddpc_reducer_create(&g_group, 3, numels, dts, devs, order, NULL, 32, 32, DDPC_BFLOAT16,
-                           &r));
-    unsetenv("DDPC_CAST_BACK");
+    DdpcReducer *r = overlap_reducer(3, numels, 32, 32);
     if (!r) return;
     EXPECT(ddpc_reducer_num_buckets(r) == 2, "%d buckets", ddpc_reducer_num_buckets(r));
     if (ddpc_reducer_num_buckets(r) != 2) {
@@ -1247,16 +1226,7 @@ static void test_device_cast_back_overlap(void) {
            bucket[1], bucket[2]);
     uint16_t *wire[2];
     float *mem[2];
-    for (int b = 0; b < 2; b++) {
-        ddpc_dtype dt;
-        int dev;
-        size_t count;
-        OK(ddpc_reducer_bucket_info(r, b, &dt, &dev, &count));
-        wire[b] = calloc(count, sizeof *wire[b]);
-        mem[b] = calloc(count, sizeof(float));
-        OK(ddpc_reducer_set_bucket_memory(r, b, mem[b]));
-        OK(ddpc_reducer_set_bucket_wire(r, b, wire[b]));
-    }
+    wire_buckets(r, 2, mem, wire, NULL);
     for (int step = 0; step < 2; step++) {
         float g0[3] = {2, 2, 2};
         int direct = -1, unused = -1;
@@ -1304,10 +1274,7 @@ static void test_device_cast_back_overlap(void) {
     }
     EXPECT(g_streams_made == 1, "%d streams made for two steps", g_streams_made);
     ddpc_reducer_destroy(r);
-    for (int b = 0; b < 2; b++) {
-        free(wire[b]);
-        free(mem[b]);
-    }
+    wire_buckets_free(2, mem, wire);
     test_last_bucket_in_chunks();
     test_last_bucket_chunks_at_finalize();
     test_unfinished_overlap_step_waits_for_casts_back();
