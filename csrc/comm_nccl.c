@@ -927,6 +927,7 @@ static ddpc_status exchange_id(DdpcGroup *g, int64_t deadline, ncclUniqueId *id)
 }
 
 static void windows_free(NcclImpl *im);
+static void windows_forget(NcclImpl *im);
 
 static void impl_free(NcclImpl *im) {
     windows_free(im);
@@ -2182,9 +2183,18 @@ static void nccl_destroy(DdpcGroup *g) {
         }
     }
     /* After the communicator: fast calls queued behind a stuck NCCL work can drain now, and the
-     * windows' memory (registered with it) can go. */
+     * windows' memory (registered with it) can go once nothing reads it: the last step's casts
+     * back out of a window are queued on the caller's stream with no wait (ncclMemFree does not
+     * wait for them). After an abort some work may never finish, so the memory is left. */
     fast_teardown(im);
-    windows_free(im);
+    if (im->windows && (list || atomic_load(&g->aborted))) {
+        DDPC_INFO("NCCL", "rank %d: the aborted group's symmetric windows are left allocated",
+                  g->rank);
+        windows_forget(im);
+    } else if (im->windows) {
+        CUDA_LOG(cudaDeviceSynchronize());
+        windows_free(im);
+    }
     pthread_mutex_lock(&im->mu);
     DdpcStaged *staged = im->staged; /* the abort hook looks at it under mu */
     im->staged = NULL;
@@ -2220,6 +2230,15 @@ static ddpc_status on_device(NcclImpl *im, ddpc_status (*fn)(NcclImpl *, void *)
 
 /* ---------------------------------------------------------------- symmetric windows */
 
+/* Lets go of the list of windows, not of their memory. */
+static void windows_forget(NcclImpl *im) {
+    while (im->windows) {
+        NcclWindow *w = im->windows;
+        im->windows = w->next;
+        free(w);
+    }
+}
+
 /* Frees every window's memory. After the communicator is gone (its abort released the
  * registrations), or before it ever used them. */
 static void windows_free(NcclImpl *im) {
@@ -2239,10 +2258,107 @@ typedef struct {
     void *ptr;
 } WindowArgs;
 
+/* The registration waits inside NCCL for every rank, so it runs on this helper thread while the
+ * caller waits in slices (Ctrl-C, the deadline, a peer's abort or exit); a peer that never
+ * registers its part would otherwise hold the caller inside NCCL for good, since the watchdog
+ * looks only at collectives in flight. */
+typedef struct WindowJob {
+    pthread_mutex_t mu;
+    int done, abandoned, gone;
+    ncclResult_t r;
+    cudaError_t cuda;
+    NcclImpl *im;
+    void *ptr;
+    size_t bytes;
+    void *win; /* ncclWindow_t */
+} WindowJob;
+
+static void window_job_free(WindowJob *j) {
+    pthread_mutex_destroy(&j->mu);
+    free(j);
+}
+
+static void *window_register_main(void *arg) {
+    WindowJob *j = arg;
+    NcclImpl *im = j->im;
+    j->cuda = cudaSetDevice(im->device);
+    if (j->cuda == cudaSuccess) {
+        pthread_mutex_lock(&im->comm_mu);
+        j->gone = im->comm == NULL;
+        if (!j->gone)
+            j->r = g_api.CommWindowRegister(im->comm, j->ptr, j->bytes, &j->win,
+                                            NCCL_WIN_COLL_SYMMETRIC);
+        pthread_mutex_unlock(&im->comm_mu);
+    }
+    pthread_mutex_lock(&j->mu);
+    j->done = 1;
+    int abandoned = j->abandoned;
+    pthread_mutex_unlock(&j->mu);
+    /* Abandoned: the caller gave up, its group aborted, and NCCL held this call for long after;
+     * the window's memory is lost with the group (nothing here may touch im any more). */
+    if (abandoned) window_job_free(j);
+    return NULL;
+}
+
+/* How long a caller that gave up waits for the registration to come back from NCCL, which the
+ * group's abort (ncclCommAbort) frees, before it leaves it to the helper thread. */
+#define WINDOW_ABANDON_MS 30000
+
+/* Waits for the registration job: OK once it is done, or the failure that stopped the wait, after
+ * which the group is aborted and the job is either done too or (*abandoned) left to its thread,
+ * which frees it. */
+static ddpc_status window_job_wait(NcclImpl *im, WindowJob *j, int64_t deadline, int n,
+                                   int *abandoned) {
+    DdpcGroup *g = im->g;
+    *abandoned = 0;
+    char step[96];
+    snprintf(step, sizeof step, "registering symmetric window #%d", n);
+    int64_t next_store_check = 0;
+    unsigned us = POLL_MIN_US;
+    for (;;) {
+        pthread_mutex_lock(&j->mu);
+        int done = j->done;
+        pthread_mutex_unlock(&j->mu);
+        if (done) return DDPC_OK;
+        ddpc_status st = init_check(g, deadline, &next_store_check, step);
+        if (st != DDPC_OK) {
+            char msg[1024];
+            if (st == DDPC_ERR_TIMEOUT)
+                snprintf(msg, sizeof msg, "rank %d (cuda:%d) did not finish %s within %.1f s: a "
+                         "peer never registered its part (its output says why); "
+                         "DDPC_NCCL_WINDOW_MB=0 runs without windows", g->rank, im->device,
+                         step, (double)g->timeout_ms / 1000.0);
+            else
+                snprintf(msg, sizeof msg, "%s", ddpc_last_error());
+            request_abort(im, st, msg); /* its ncclCommAbort frees the registration */
+            int64_t until = ddpc_now_ms() + WINDOW_ABANDON_MS;
+            while (!done && ddpc_now_ms() < until) {
+                sleep_us(POLL_MAX_US);
+                pthread_mutex_lock(&j->mu);
+                done = j->done;
+                pthread_mutex_unlock(&j->mu);
+            }
+            pthread_mutex_lock(&j->mu);
+            if (!j->done) {
+                j->abandoned = *abandoned = 1;
+                DDPC_INFO("NCCL", "rank %d: NCCL still holds symmetric window #%d's registration "
+                          "%d s after the abort; its %zu bytes are lost", g->rank, n,
+                          WINDOW_ABANDON_MS / 1000, j->bytes);
+            }
+            pthread_mutex_unlock(&j->mu);
+            return ddpc_error(st, "%s", msg);
+        }
+        sleep_us(us);
+        us = DDPC_MIN(us * 2, POLL_MAX_US);
+    }
+}
+
 /* Every rank allocates with ncclMemAlloc, votes through the store whether it could (so that no
  * rank enters the registration, which waits for all, when another will not), then registers it
- * as a symmetric window. Posts queued by the posting thread go first: NCCL calls on one
- * communicator come from one thread at a time (comm_mu). */
+ * as a symmetric window (window_register_main). Posts queued by the posting thread go first, and
+ * ddpc_group_window_alloc holds g->mu, so no other post comes in between: NCCL calls on one
+ * communicator come from one thread at a time (comm_mu), in the same order on every rank. A
+ * failure after this rank voted yes aborts the group: the peers may be registering already. */
 static ddpc_status window_alloc_on(NcclImpl *im, void *arg) {
     WindowArgs *a = arg;
     DdpcGroup *g = im->g;
@@ -2272,42 +2388,84 @@ static ddpc_status window_alloc_on(NcclImpl *im, void *arg) {
     int all = 0;
     st = yes_vote(g, deadline, name, can, &all, others, sizeof others,
                   "could not allocate its part", "allocating a symmetric window with its peers");
-    if (st != DDPC_OK) goto fail;
+    if (st != DDPC_OK) {
+        /* The peers may have read every vote and gone on to register: they must learn that this
+         * rank will not come. */
+        char msg[1024];
+        if (st == DDPC_ERR_TIMEOUT)
+            snprintf(msg, sizeof msg, "rank %d timed out after %.1f s waiting for its peers to say "
+                     "whether they could allocate symmetric window #%d (a peer stopped before, "
+                     "its output says why); DDPC_NCCL_WINDOW_MB=0 runs without windows", g->rank,
+                     (double)g->timeout_ms / 1000.0, n);
+        else
+            snprintf(msg, sizeof msg, "%s", ddpc_last_error());
+        request_abort(im, st, msg);
+        goto fail;
+    }
     if (!all) {
         st = ddpc_error(DDPC_ERR_UNAVAILABLE, "symmetric window #%d (%zu bytes) on rank %d: %s",
                         n, a->bytes, g->rank, why[0] ? why : others);
         goto fail;
     }
     NcclWindow *w = calloc(1, sizeof *w);
-    if (!w) {
-        st = ddpc_error(DDPC_ERR_NOMEM, "out of host memory recording a symmetric window");
+    WindowJob *j = calloc(1, sizeof *j);
+    int rc = ENOMEM;
+    if (w && j) {
+        pthread_mutex_init(&j->mu, NULL);
+        j->im = im;
+        j->ptr = ptr;
+        j->bytes = a->bytes;
+        pthread_t th;
+        rc = ddpc_thread_start(&th, window_register_main, j, "ddpc-nccl-win", 1);
+    }
+    if (rc != 0) {
+        if (j) window_job_free(j);
+        free(w);
+        st = ddpc_error(rc == ENOMEM ? DDPC_ERR_NOMEM : DDPC_ERR_SYSTEM, "registering symmetric "
+                        "window #%d on rank %d: %s", n, g->rank,
+                        rc == ENOMEM ? "out of host memory" : strerror(rc));
         request_abort(im, st, ddpc_last_error()); /* (the peers are about to register) */
         goto fail;
     }
-    pthread_mutex_lock(&im->comm_mu);
-    ncclResult_t r = ncclSuccess;
-    int gone = im->comm == NULL;
-    if (!gone)
-        r = g_api.CommWindowRegister(im->comm, ptr, a->bytes, &w->win, NCCL_WIN_COLL_SYMMETRIC);
-    pthread_mutex_unlock(&im->comm_mu);
-    if (gone || r != ncclSuccess) {
+    int abandoned = 0;
+    st = window_job_wait(im, j, deadline, n, &abandoned);
+    if (abandoned) { /* (its thread frees the job; the memory may still be NCCL's) */
         free(w);
-        if (gone) {
+        return st;
+    }
+    ncclResult_t r = j->r;
+    int gone = j->gone, registered = !gone && j->cuda == cudaSuccess && r == ncclSuccess;
+    cudaError_t ce = j->cuda;
+    w->win = j->win;
+    window_job_free(j);
+    if (st == DDPC_OK && !registered) {
+        if (gone)
             st = aborted_error(im, "registering a symmetric window");
-        } else {
+        else if (ce != cudaSuccess)
+            st = ddpc_error(DDPC_ERR_CUDA, "cudaSetDevice(%d) on the window thread failed: %s",
+                            im->device, cudaGetErrorString(ce));
+        else
             st = nccl_fail(r, "ncclCommWindowRegister", __FILE__, __LINE__);
-            request_abort(im, st, ddpc_last_error()); /* the peers may be waiting inside it */
-        }
+        if (!gone) request_abort(im, st, ddpc_last_error()); /* the peers may wait inside it */
+    }
+    if (st != DDPC_OK && !registered) {
+        free(w);
         goto fail;
     }
+    /* Registered: kept with the group's windows even when the wait failed (the group is aborted
+     * then), since NCCL may use the memory until the communicator is gone. */
     w->ptr = ptr;
     w->bytes = a->bytes;
     pthread_mutex_lock(&im->mu);
     w->next = im->windows;
     im->windows = w;
     pthread_mutex_unlock(&im->mu);
+    if (st != DDPC_OK) return st;
     a->ptr = ptr;
-    DDPC_INFO("NCCL", "rank %d: symmetric window #%d, %zu bytes at %p", g->rank, n, a->bytes, ptr);
+    /* (NCCL registers nothing, and says so only by a NULL window, when the communicator has no
+     * symmetric support: its ordinary kernels then reduce these buffers, with the same results) */
+    DDPC_INFO("NCCL", "rank %d: symmetric window #%d, %zu bytes at %p%s", g->rank, n, a->bytes,
+              ptr, w->win ? "" : ", but NCCL registered it without symmetric support");
     return DDPC_OK;
 fail:
     if (ptr) {

@@ -301,7 +301,12 @@ ddpc_status ddpc_group_window_alloc(DdpcGroup *g, size_t bytes, void **out) {
     if (!g->ops->window_alloc)
         return ddpc_error(DDPC_ERR_UNAVAILABLE, "the %s backend has no symmetric windows: they "
                           "need the nccl backend", g->ops->name);
-    return g->ops->window_alloc(g, bytes, out);
+    /* Under mu, as every post: the registration is a collective of its own inside NCCL, so no
+     * other thread's collective may come between it and the posts before it on one rank only. */
+    pthread_mutex_lock(&g->mu);
+    ddpc_status st = g->ops->window_alloc(g, bytes, out);
+    pthread_mutex_unlock(&g->mu);
+    return st;
 }
 
 static ddpc_status no_trace(const DdpcGroup *g) {

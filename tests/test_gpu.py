@@ -792,6 +792,38 @@ def _w_rows_exchange(rank: int, world: int, ddpc: Any, torch: Any,
 WORLDS = [pytest.param(1, marks=needs_1_torch, id="1gpu"), pytest.param(2, marks=needs_2, id="2gpu")]
 
 
+def _w_window_memory(rank: int, world: int, ddpc: Any, torch: Any,
+                     results: Any) -> Dict[str, Any]:
+    """Group.window_alloc on its own: the memory NCCL registers (its registration runs on a
+    thread of ddpc's while this one waits) takes an all-reduce like any other (seen through
+    __cuda_array_interface__), and a kernel still reading it when the group is destroyed does
+    not outlive it (destroy waits for the device before ncclMemFree)."""
+    from ddpc import distributed as dist
+    failures: List[str] = []
+    n = 1 << 20
+    ptr, why = dist._default_group().window_alloc(4 * n)
+    if not ptr:
+        return {"failures": [f"no window: {why}"]}
+
+    class Raw:  # the window's bytes as a float32 array
+        __cuda_array_interface__ = {"shape": (n,), "typestr": "<f4", "data": (ptr, False),
+                                    "version": 3}
+    t = torch.as_tensor(Raw(), device=ddpc.device())
+    t.fill_(float(rank + 1))
+    ddpc.all_reduce(t)
+    want = world * (world + 1) / 2
+    if not torch.all(t == want):
+        failures.append(f"all_reduce in the window gave {t.unique().tolist()}, not {want}")
+    for _ in range(20):  # queued, unsynchronized, as the group goes
+        t.mul_(1.0)
+    return {"failures": failures}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_window_memory_takes_a_collective_and_outlives_its_readers(world):
+    _assert_no_failures(_run_ranks(_w_window_memory, world=world))
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_cast_back_overlap_matches_the_default(world):
     _assert_no_failures(_run_ranks(_w_overlap, world=world))
