@@ -157,15 +157,18 @@ def _env_number(name: str) -> str:
         return v
 
 
-_FLAG_WORDS = {"true": "1", "yes": "1", "on": "1", "false": "0", "no": "0", "off": "0"}
-
-
 def _env_word(name: str, default: str) -> str:
-    """An environment variable that takes words (a flag, a choice), as every rank should compare
-    it: in lower case, a flag's true/yes/on as 1 and false/no/off as 0, unset or empty as the
-    default (values the setting refuses fail elsewhere, with their own message)."""
-    v = (os.environ.get(name) or default).lower()
-    return _FLAG_WORDS.get(v, v)
+    """A setting that takes words (a flag, a choice) as the C core reads it, which every rank
+    should compare: a flag as 1 or 0 (true, yes, on...), a choice in lower case, the default when
+    unset. A value the setting refuses is compared as it is (the reducer refuses it later, with
+    its own message, on the rank that has it)."""
+    try:
+        v = _C.setting(name)
+    except ValueError:
+        return os.environ.get(name, "")
+    if v is None:
+        return default
+    return ("1" if v else "0") if isinstance(v, bool) else str(v)
 
 
 def _verify_same_model(module: torch.nn.Module, group: Any, device: torch.device,
