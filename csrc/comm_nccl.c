@@ -889,6 +889,24 @@ static ddpc_status init_check(DdpcGroup *g, int64_t deadline, int64_t *next_stor
     return DDPC_OK;
 }
 
+/* Waits in slices until a helper thread sets *done (read under mu): OK then, or the first
+ * failure init_check finds (Ctrl-C, the deadline, a peer's abort or exit), the job still running
+ * unless it finished meanwhile. */
+static ddpc_status wait_helper(DdpcGroup *g, pthread_mutex_t *mu, const int *done,
+                               int64_t deadline, const char *step) {
+    int64_t next_store_check = 0;
+    unsigned us = POLL_MIN_US;
+    for (;;) {
+        pthread_mutex_lock(mu);
+        int d = *done;
+        pthread_mutex_unlock(mu);
+        if (d) return DDPC_OK;
+        DDPC_CHECK(init_check(g, deadline, &next_store_check, step));
+        sleep_us(us);
+        us = DDPC_MIN(us * 2, POLL_MAX_US);
+    }
+}
+
 /* Rank 0 makes the NCCL id and publishes it; the others wait for it. Then every rank says it
  * joined, so a timeout can name the ranks that never came. */
 static ddpc_status exchange_id(DdpcGroup *g, int64_t deadline, ncclUniqueId *id) {
@@ -1059,29 +1077,18 @@ static ddpc_status init_comm(DdpcGroup *g, const ncclUniqueId *id, int64_t deadl
         return ddpc_error(DDPC_ERR_SYSTEM, "starting the NCCL init thread failed: %s",
                           strerror(rc));
     }
-    int64_t next_store_check = 0;
-    unsigned us = POLL_MIN_US;
-    for (;;) {
+    ddpc_status st = wait_helper(g, &j->mu, &j->done, deadline, "creating the NCCL communicator");
+    if (st != DDPC_OK) {
         pthread_mutex_lock(&j->mu);
-        int done = j->done;
-        pthread_mutex_unlock(&j->mu);
-        if (done) break;
-        ddpc_status st = init_check(g, deadline, &next_store_check,
-                                    "creating the NCCL communicator");
-        if (st != DDPC_OK) {
-            pthread_mutex_lock(&j->mu);
-            if (!j->done) {
-                j->abandoned = 1; /* the thread frees the job and aborts what it gets */
-                pthread_mutex_unlock(&j->mu);
-                return st;
-            }
+        if (!j->done) {
+            j->abandoned = 1; /* the thread frees the job and aborts what it gets */
             pthread_mutex_unlock(&j->mu);
-            if (j->comm) abort_unused(j->comm);
-            init_job_free(j);
             return st;
         }
-        sleep_us(us);
-        us = DDPC_MIN(us * 2, POLL_MAX_US);
+        pthread_mutex_unlock(&j->mu);
+        if (j->comm) abort_unused(j->comm);
+        init_job_free(j);
+        return st;
     }
     ncclResult_t r = j->r;
     cudaError_t ce = j->cuda;
@@ -2313,44 +2320,33 @@ static ddpc_status window_job_wait(NcclImpl *im, WindowJob *j, int64_t deadline,
     *abandoned = 0;
     char step[96];
     snprintf(step, sizeof step, "registering symmetric window #%d", n);
-    int64_t next_store_check = 0;
-    unsigned us = POLL_MIN_US;
-    for (;;) {
+    ddpc_status st = wait_helper(g, &j->mu, &j->done, deadline, step);
+    if (st == DDPC_OK) return DDPC_OK;
+    char msg[1024];
+    if (st == DDPC_ERR_TIMEOUT)
+        snprintf(msg, sizeof msg, "rank %d (cuda:%d) did not finish %s within %.1f s: a peer never "
+                 "registered its part (its output says why); DDPC_NCCL_WINDOW_MB=0 runs without "
+                 "windows", g->rank, im->device, step, (double)g->timeout_ms / 1000.0);
+    else
+        snprintf(msg, sizeof msg, "%s", ddpc_last_error());
+    request_abort(im, st, msg); /* its ncclCommAbort frees the registration */
+    int64_t until = ddpc_now_ms() + WINDOW_ABANDON_MS;
+    int done = 0;
+    while (!done && ddpc_now_ms() < until) {
+        sleep_us(POLL_MAX_US);
         pthread_mutex_lock(&j->mu);
-        int done = j->done;
+        done = j->done;
         pthread_mutex_unlock(&j->mu);
-        if (done) return DDPC_OK;
-        ddpc_status st = init_check(g, deadline, &next_store_check, step);
-        if (st != DDPC_OK) {
-            char msg[1024];
-            if (st == DDPC_ERR_TIMEOUT)
-                snprintf(msg, sizeof msg, "rank %d (cuda:%d) did not finish %s within %.1f s: a "
-                         "peer never registered its part (its output says why); "
-                         "DDPC_NCCL_WINDOW_MB=0 runs without windows", g->rank, im->device,
-                         step, (double)g->timeout_ms / 1000.0);
-            else
-                snprintf(msg, sizeof msg, "%s", ddpc_last_error());
-            request_abort(im, st, msg); /* its ncclCommAbort frees the registration */
-            int64_t until = ddpc_now_ms() + WINDOW_ABANDON_MS;
-            while (!done && ddpc_now_ms() < until) {
-                sleep_us(POLL_MAX_US);
-                pthread_mutex_lock(&j->mu);
-                done = j->done;
-                pthread_mutex_unlock(&j->mu);
-            }
-            pthread_mutex_lock(&j->mu);
-            if (!j->done) {
-                j->abandoned = *abandoned = 1;
-                DDPC_INFO("NCCL", "rank %d: NCCL still holds symmetric window #%d's registration "
-                          "%d s after the abort; its %zu bytes are lost", g->rank, n,
-                          WINDOW_ABANDON_MS / 1000, j->bytes);
-            }
-            pthread_mutex_unlock(&j->mu);
-            return ddpc_error(st, "%s", msg);
-        }
-        sleep_us(us);
-        us = DDPC_MIN(us * 2, POLL_MAX_US);
     }
+    pthread_mutex_lock(&j->mu);
+    if (!j->done) {
+        j->abandoned = *abandoned = 1;
+        DDPC_INFO("NCCL", "rank %d: NCCL still holds symmetric window #%d's registration %d s "
+                  "after the abort; its %zu bytes are lost", g->rank, n, WINDOW_ABANDON_MS / 1000,
+                  j->bytes);
+    }
+    pthread_mutex_unlock(&j->mu);
+    return ddpc_error(st, "%s", msg);
 }
 
 /* Every rank allocates with ncclMemAlloc, votes through the store whether it could (so that no
