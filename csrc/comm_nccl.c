@@ -1223,26 +1223,34 @@ static void vote_verdict(int ok, const char *host, const char *mine, int r, int 
     *all_ok = 0;
 }
 
-/* The second round: every rank says whether it could set the path up (`name`/<rank> = '1' or
- * '0') and reads the others'; *enabled is 1 only when all could. */
+/* The second round: every rank says whether it could set the path up (`name`/<rank> = '1', or
+ * '0' followed by `reason` when there is one) and reads the others'; *enabled is 1 only when all
+ * could, else why says the first rank that could not, and its reason, unless it held this
+ * rank's own reason already (reason may be why: it is read before why is written). */
 static ddpc_status yes_vote(DdpcGroup *g, int64_t deadline, const char *name, int yes,
-                            int *enabled, char *why, size_t why_len, const char *failed,
-                            const char *what) {
-    char key[256], mine = yes ? '1' : '0';
+                            const char *reason, int *enabled, char *why, size_t why_len,
+                            const char *failed, const char *what) {
+    char key[256], mine[512];
+    int n = snprintf(mine, sizeof mine, "%c%s", yes ? '1' : '0', !yes && reason ? reason : "");
     ddpc_group_key(g, key, sizeof key, "%s/%d", name, g->rank);
-    DDPC_CHECK(ddpc_store_set(g->store, key, &mine, 1));
+    DDPC_CHECK(ddpc_store_set(g->store, key, mine, (size_t)DDPC_MIN(n, (int)sizeof mine - 1)));
     *enabled = 1;
     for (int r = 0; r < g->world; r++) {
         void *val = NULL;
         size_t len = 0;
         ddpc_group_key(g, key, sizeof key, "%s/%d", name, r);
         DDPC_CHECK(fast_get(g, key, deadline, &val, &len, what));
-        int ok = len == 1 && ((char *)val)[0] == '1';
-        free(val);
-        if (!ok) {
-            if (*enabled && !why[0]) snprintf(why, why_len, "rank %d %s", r, failed);
-            *enabled = 0;
+        const char *v = val;
+        int ok = len == 1 && v[0] == '1';
+        if (!ok && *enabled && !why[0]) {
+            if (len > 1) /* its reason, not NUL-terminated */
+                snprintf(why, why_len, "rank %d %s: %.*s", r, failed,
+                         (int)DDPC_MIN(len - 1, 480), v + 1);
+            else
+                snprintf(why, why_len, "rank %d %s", r, failed);
         }
+        if (!ok) *enabled = 0;
+        free(val);
     }
     return DDPC_OK;
 }
@@ -1335,7 +1343,7 @@ static ddpc_status fast_setup(NcclImpl *im, int64_t deadline) {
     free(votes);
     /* Second vote: did every rank map every other one? */
     int enabled = 0;
-    DDPC_CHECK(yes_vote(g, deadline, "fast/mapped", all_ok, &enabled, why, sizeof why,
+    DDPC_CHECK(yes_vote(g, deadline, "fast/mapped", all_ok, why, &enabled, why, sizeof why,
                         "could not map its peers",
                         "setting up the fast all-reduce with its peers"));
     if (!enabled) {
@@ -1449,7 +1457,7 @@ static ddpc_status staged_setup(NcclImpl *im, int64_t deadline) {
     }
     /* Second vote: did every rank map the segment? Then rank 0 removes its name. */
     int enabled = 0;
-    st = yes_vote(g, deadline, "staged/mapped", all_ok, &enabled, why, sizeof why,
+    st = yes_vote(g, deadline, "staged/mapped", all_ok, why, &enabled, why, sizeof why,
                   "could not map it", "setting up the staged all-reduce with its peers");
     if (s) ddpc_staged_unlink(s);
     if (st != DDPC_OK || !enabled) {
@@ -2380,9 +2388,9 @@ static ddpc_status window_alloc_on(NcclImpl *im, void *arg) {
     ddpc_status st = DDPC_OK;
     if (im->poster_started && (st = wait_posted(im, NULL)) != DDPC_OK) goto fail;
     snprintf(name, sizeof name, "nccl/window/%d", n);
-    char others[256] = "";
+    char others[512] = "";
     int all = 0;
-    st = yes_vote(g, deadline, name, can, &all, others, sizeof others,
+    st = yes_vote(g, deadline, name, can, why, &all, others, sizeof others,
                   "could not allocate its part", "allocating a symmetric window with its peers");
     if (st != DDPC_OK) {
         /* The peers may have read every vote and gone on to register: they must learn that this

@@ -962,11 +962,24 @@ static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
     return DDPC_OK;
 }
 
+/* This rank could not queue its part of a step's communication (a bucket's copies, casts or
+ * collectives; a chunked bucket perhaps part-way through its collectives): its peers would wait
+ * for collectives it will never post, until the timeout, and any later collective of this rank
+ * would pair with the wrong one of theirs. So the group is aborted: every rank's next or pending
+ * collective fails at once with this rank's reason (ddpc_group_abort publishes it), rather than
+ * after the timeout with only "rank N never arrived". Returns st, the error kept as it was. */
+static ddpc_status fail_step(DdpcReducer *r, ddpc_status st) {
+    char msg[2048];
+    snprintf(msg, sizeof msg, "%s", ddpc_last_error()); /* publishing may overwrite it */
+    ddpc_group_abort(r->g, st, msg);
+    return ddpc_error(st, "%s", msg);
+}
+
 static ddpc_status launch(DdpcReducer *r, int b, uintptr_t stream) {
     uint64_t t0 = ddpc_now_ns();
     ddpc_status st = launch_bucket(r, b, stream);
     r->launch_ns += ddpc_now_ns() - t0;
-    return st;
+    return st == DDPC_OK ? st : fail_step(r, st);
 }
 
 /* Launches buckets in index order while the next one is complete, so every rank posts the same
@@ -1045,14 +1058,14 @@ static ddpc_status mark_ready(DdpcReducer *r, int i, uintptr_t stream, const voi
                             "reused in several reentrant checkpoint segments) although it was not "
                             "in the first step, which decided the buckets", i,
                             r->param_bucket[i]);
-        else if (to_wire)
-            st = cast_to_wire(r, i, src, stream);
-        else {
+        else if (to_wire && (st = cast_to_wire(r, i, src, stream)) != DDPC_OK)
+            st = fail_step(r, st);
+        else if (!to_wire) {
             /* Copied into its slot (src) or there already: whatever waited goes from there, and
              * one that went to the wire before stays in the slot, where finalize leaves the
              * reduced values. */
             if (src) {
-                st = copy_into_slot(r, i, src, stream);
+                if ((st = copy_into_slot(r, i, src, stream)) != DDPC_OK) st = fail_step(r, st);
             } else {
                 clear_due(r, i);
                 r->grad_at[i] = NULL;
@@ -1063,9 +1076,10 @@ static ddpc_status mark_ready(DdpcReducer *r, int i, uintptr_t stream, const voi
             }
         }
     } else if (to_wire && (st = cast_to_wire(r, i, src, stream)) != DDPC_OK) {
-        /* nothing marked: the caller's error says what failed */
+        /* nothing marked: the caller's error says what failed, the peers through the abort */
+        st = fail_step(r, st);
     } else if (!to_wire && src && (st = copy_into_slot(r, i, src, stream)) != DDPC_OK) {
-        /* likewise */
+        st = fail_step(r, st); /* likewise */
     } else {
         r->ready[i] = 1;
         r->ready_count[i]++;

@@ -797,9 +797,18 @@ def _w_window_memory(rank: int, world: int, ddpc: Any, torch: Any,
     """Group.window_alloc on its own: the memory NCCL registers (its registration runs on a
     thread of ddpc's while this one waits) takes an all-reduce like any other (seen through
     __cuda_array_interface__), and a kernel still reading it when the group is destroyed does
-    not outlive it (destroy waits for the device before ncclMemFree)."""
+    not outlive it (destroy waits for the device before ncclMemFree). First the last rank asks
+    for more than its GPU holds: no rank gets a window, every rank's reason names that rank and
+    what failed there, and the group goes on."""
     from ddpc import distributed as dist
     failures: List[str] = []
+    last = world - 1
+    huge = 1 << 40  # 1 TiB
+    ptr, why = dist._default_group().window_alloc(huge if rank == last else 4096)
+    want = (f"ncclMemAlloc of {huge} bytes on cuda:{last} failed" if rank == last else
+            f"rank {last} could not allocate its part: ncclMemAlloc of {huge} bytes")
+    if ptr or want not in why:
+        failures.append(f"a window too large for rank {last}'s GPU gave {ptr:#x} and said: {why}")
     n = 1 << 20
     ptr, why = dist._default_group().window_alloc(4 * n)
     if not ptr:

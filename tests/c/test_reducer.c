@@ -48,6 +48,19 @@ ddpc_status ddpc_group_wait_posted(DdpcGroup *g) {
     return DDPC_OK;
 }
 
+/* The aborts the reducer asked for: how many, and the last one's status and reason. */
+static int g_aborts;
+static ddpc_status g_abort_status;
+static char g_abort_why[512];
+
+void ddpc_group_abort(DdpcGroup *g, ddpc_status st, const char *why) {
+    (void)g;
+    g_aborts++;
+    g_abort_status = st;
+    snprintf(g_abort_why, sizeof g_abort_why, "%s", why);
+    ddpc_error(DDPC_ERR_INVALID, "fake group: abort published"); /* as the store's may */
+}
+
 ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **out) {
     (void)g;
     if (g_nlog == MAX_LOG) return ddpc_error(DDPC_ERR_INVALID, "fake group: log full");
@@ -269,8 +282,11 @@ static void test_assignment_and_launch_order(void) {
         EXPECT(g_log[0]->args.op == DDPC_COLL_ALLREDUCE && g_log[0]->args.redop == DDPC_AVG,
                "not an averaging all_reduce");
     }
+    g_aborts = 0;
     EXPECT(ddpc_reducer_mark_ready(r, 4, 0) == DDPC_ERR_INVALID,
            "a gradient arriving after its bucket was launched must fail");
+    /* a mistake of the model's, which every rank may make alike: the caller's error, no abort */
+    EXPECT(g_aborts == 0, "the late gradient aborted the group: %s", g_abort_why);
     int unready[6];
     int nu = ddpc_reducer_unready(r, unready);
     EXPECT(nu == 3 && unready[0] == 0 && unready[1] == 1 && unready[2] == 2, "unready %d", nu);
@@ -1180,10 +1196,17 @@ static void test_failed_chunk_post_leaves_no_work_behind(void) {
         int unused = -1;
         OK(ddpc_reducer_prepare(r));
         g_fail_post_at = g_nlog + 2;
-        EXPECT(ddpc_reducer_finalize(r, CALLER, &unused) == DDPC_ERR_NCCL,
+        g_aborts = 0;
+        EXPECT(ddpc_reducer_finalize(r, CALLER, &unused) == DDPC_ERR_NCCL &&
+                   strstr(ddpc_last_error(), "post 2 refused") &&
+                   strstr(ddpc_last_error(), "gradient bucket 0"),
                "the refused post was not reported: %s", ddpc_last_error());
         g_fail_post_at = -1;
         EXPECT(g_nlog == 2, "%d chunks posted before the refused one", g_nlog);
+        /* the peers, whose collectives this rank will not pair, learn why at once */
+        EXPECT(g_aborts == 1 && g_abort_status == DDPC_ERR_NCCL &&
+                   strstr(g_abort_why, "post 2 refused") && strstr(g_abort_why, "bucket 0"),
+               "%d aborts, status %d: %s", g_aborts, (int)g_abort_status, g_abort_why);
         EXPECT(ddpc_reducer_prepare(r) == DDPC_ERR_INVALID &&
                    strstr(ddpc_last_error(), "did not finish") != NULL,
                "prepare after the failed finalize: %s", ddpc_last_error());
@@ -1313,6 +1336,48 @@ static void test_bad_arguments(void) {
     }
 }
 
+/* A host bucket's collective refused as its last gradient arrives (the second bucket's, after
+ * the first was posted): the caller gets the reason naming the bucket, and the group is aborted
+ * with it, since the peers would wait for that collective (or pair their next one with this
+ * rank's). A bucket whose gradients are all in but whose collective was never posted is not
+ * taken as launched: the next prepare reports the step unfinished and waits for the first. */
+static void test_refused_post_aborts_the_group(void) {
+    size_t numels[2] = {1000, 1000};
+    ddpc_dtype dts[2] = {0};
+    int devs[2] = {-1, -1};
+    DdpcReducer *r = NULL;
+    OK(ddpc_reducer_create(&g_group, 2, numels, dts, devs, NULL, NULL, 4000, 4000, -1, &r));
+    if (!r) return;
+    EXPECT(ddpc_reducer_num_buckets(r) == 2, "%d buckets", ddpc_reducer_num_buckets(r));
+    float *mem[2] = {calloc(1000, sizeof(float)), calloc(1000, sizeof(float))};
+    if (mem[0] && mem[1]) {
+        OK(ddpc_reducer_set_bucket_memory(r, 0, mem[0]));
+        OK(ddpc_reducer_set_bucket_memory(r, 1, mem[1]));
+        clear_log();
+        OK(ddpc_reducer_prepare(r));
+        OK(ddpc_reducer_mark_ready(r, 1, 0));
+        g_fail_post_at = 1;
+        g_aborts = 0;
+        EXPECT(ddpc_reducer_mark_ready(r, 0, 0) == DDPC_ERR_NCCL &&
+                   strstr(ddpc_last_error(), "gradient bucket 1") &&
+                   strstr(ddpc_last_error(), "post 1 refused"),
+               "the refused post: %s", ddpc_last_error());
+        g_fail_post_at = -1;
+        EXPECT(g_aborts == 1 && g_abort_status == DDPC_ERR_NCCL &&
+                   strstr(g_abort_why, "gradient bucket 1") && strstr(g_abort_why, "post 1 refused"),
+               "%d aborts, status %d: %s", g_aborts, (int)g_abort_status, g_abort_why);
+        EXPECT(g_nlog == 1, "%d collectives posted", g_nlog);
+        EXPECT(ddpc_reducer_prepare(r) == DDPC_ERR_INVALID &&
+                   strstr(ddpc_last_error(), "did not finish"),
+               "prepare after the refused post: %s", ddpc_last_error());
+        EXPECT(g_nlog == 1 && g_log[0]->done, "the posted collective was not waited for");
+        clear_log();
+    }
+    ddpc_reducer_destroy(r);
+    free(mem[0]);
+    free(mem[1]);
+}
+
 /* DDPC_TAIL_BUCKET_MB: the gradients that complete last get buckets of their own, of at most that
  * size, before trailing parameters larger than that. Sequence (reverse order): 9 float32
  * parameters of 100 elements (400 bytes), then one of 1000 (4000 bytes, "the tied embedding");
@@ -1389,6 +1454,7 @@ int main(void) {
     test_device_cast_back_overlap();
     test_summed_wire();
     test_bad_arguments();
+    test_refused_post_aborts_the_group();
     clear_log();
     return check_summary("test_reducer");
 }
