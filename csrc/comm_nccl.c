@@ -2379,6 +2379,7 @@ static ddpc_status window_alloc_on(NcclImpl *im, void *arg) {
     if (can) {
         ncclResult_t r = g_api.MemAlloc(&ptr, a->bytes);
         if (r != ncclSuccess) {
+            (void)cudaGetLastError(); /* (a cudaMalloc fallback's error, not the caller's) */
             snprintf(why, sizeof why, "ncclMemAlloc of %zu bytes on cuda:%d failed: %s",
                      a->bytes, im->device, g_api.GetErrorString(r));
             ptr = NULL;

@@ -74,6 +74,7 @@ struct DdpcReducer {
     pthread_mutex_t mu;   /* hooks may run on more than one autograd thread */
     /* the step in progress */
     int step_active;
+    ddpc_status abort_st; /* set by fail_step under mu, published by publish_abort after it */
     int next_launch;      /* every bucket before it is launched */
     uint8_t *ready;
     int *ready_count;
@@ -965,14 +966,34 @@ static ddpc_status launch_bucket(DdpcReducer *r, int b, uintptr_t stream) {
 /* This rank could not queue its part of a step's communication (a bucket's copies, casts or
  * collectives; a chunked bucket perhaps part-way through its collectives): its peers would wait
  * for collectives it will never post, until the timeout, and any later collective of this rank
- * would pair with the wrong one of theirs. So the group is aborted: every rank's next or pending
- * collective fails at once with this rank's reason (ddpc_group_abort publishes it), rather than
- * after the timeout with only "rank N never arrived". Returns st, the error kept as it was. */
+ * would pair with the wrong one of theirs. So the group is to be aborted (publish_abort, once
+ * r->mu is let go): every rank's next or pending collective then fails at once with this rank's
+ * reason, rather than after the timeout with only "rank N never arrived". Not for a mistake in
+ * the arguments (DDPC_ERR_INVALID: a bad cast, a buffer on the wrong device), which every rank
+ * makes alike at the same bucket, leaving no collective unpaired; the next prepare reports the
+ * step unfinished and the group goes on. Returns st. Called with r->mu held. */
 static ddpc_status fail_step(DdpcReducer *r, ddpc_status st) {
-    char msg[2048];
-    snprintf(msg, sizeof msg, "%s", ddpc_last_error()); /* publishing may overwrite it */
-    ddpc_group_abort(r->g, st, msg);
-    return ddpc_error(st, "%s", msg);
+    if (st != DDPC_ERR_INVALID && !r->abort_st) r->abort_st = st;
+    return st;
+}
+
+/* Takes what fail_step set; called with r->mu held, before letting it go. */
+static ddpc_status take_abort(DdpcReducer *r) {
+    ddpc_status st = r->abort_st;
+    r->abort_st = DDPC_OK;
+    return st;
+}
+
+/* Aborts the group for a failure of fail_step's (st from take_abort; nothing when DDPC_OK), with
+ * the message of the call's error (ret) as the reason, and returns ret with that message as it
+ * was (publishing may overwrite it). Called without r->mu: ddpc_group_abort writes to the store.
+ * An interrupt (Ctrl-C while the step waited) reaches the peers as this rank's failure. */
+static ddpc_status publish_abort(DdpcReducer *r, ddpc_status st, ddpc_status ret) {
+    if (st == DDPC_OK) return ret;
+    char msg[4096];
+    snprintf(msg, sizeof msg, "%s", ddpc_last_error());
+    ddpc_group_abort(r->g, st == DDPC_ERR_INTERRUPTED ? DDPC_ERR_PEER : st, msg);
+    return ddpc_error(ret, "%s", msg);
 }
 
 static ddpc_status launch(DdpcReducer *r, int b, uintptr_t stream) {
@@ -1091,8 +1112,9 @@ static ddpc_status mark_ready(DdpcReducer *r, int i, uintptr_t stream, const voi
     }
     if (t0) r->copy_ns += ddpc_now_ns() - t0;
     if (st == DDPC_OK && direct) *direct = r->direct[i];
+    ddpc_status ab = take_abort(r);
     pthread_mutex_unlock(&r->mu);
-    return st;
+    return publish_abort(r, ab, st);
 }
 
 ddpc_status ddpc_reducer_mark_ready(DdpcReducer *r, int i, uintptr_t stream) {
@@ -1196,7 +1218,7 @@ static ddpc_status unwire(DdpcReducer *r, Bucket *bk, uintptr_t stream) {
 }
 
 ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused) {
-    ddpc_status st = DDPC_OK;
+    ddpc_status st = DDPC_OK, ab;
     int nunused = 0;
     pthread_mutex_lock(&r->mu);
     if (!r->step_active) {
@@ -1212,8 +1234,11 @@ ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused)
         DDPC_CHECK_GOTO(check_has_wire(r, b), st, out);
     }
     for (int b = r->next_launch; b < r->nbuckets; b++)
-        if (r->buckets[b].pending > 0)
-            DDPC_CHECK_GOTO(zero_unready(r, &r->buckets[b], stream, &nunused), st, out);
+        if (r->buckets[b].pending > 0 &&
+            (st = zero_unready(r, &r->buckets[b], stream, &nunused)) != DDPC_OK) {
+            fail_step(r, st); /* the buckets before were posted during the backward */
+            goto out;
+        }
     for (; r->next_launch < r->nbuckets; r->next_launch++)
         DDPC_CHECK_GOTO(launch(r, r->next_launch, stream), st, out);
     int back = 0;
@@ -1243,9 +1268,10 @@ ddpc_status ddpc_reducer_finalize(DdpcReducer *r, uintptr_t stream, int *unused)
     DDPC_TRACE("REDUCER", "rank %d finished a step: %d of %d parameters unused",
                ddpc_group_rank(r->g), nunused, r->nparams);
 out:
+    ab = take_abort(r);
     pthread_mutex_unlock(&r->mu);
     if (unused) *unused = nunused;
-    return st;
+    return publish_abort(r, ab, st);
 }
 
 int ddpc_reducer_take_flushed(DdpcReducer *r, int *out) {

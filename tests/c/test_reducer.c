@@ -853,11 +853,15 @@ static void test_device_casts_on_comm_stream(void) {
         OK(ddpc_reducer_prepare(r));
         OK(ddpc_reducer_mark_ready(r, 0, CALLER));
         OK(ddpc_reducer_mark_ready(r, 1, CALLER));
+        g_aborts = 0;
         ddpc_status st = ddpc_reducer_mark_ready(r, 2, CALLER);
         EXPECT(st == DDPC_ERR_CUDA && strstr(ddpc_last_error(), "bucket 0") &&
                    strstr(ddpc_last_error(), "launch on stream"),
                "mode %d: a failed cast: %d %s", mode, (int)st, ddpc_last_error());
         EXPECT(g_nlog == 0, "mode %d: %d collectives posted after a failed cast", mode, g_nlog);
+        EXPECT(g_aborts == 1 && g_abort_status == DDPC_ERR_CUDA &&
+                   strstr(g_abort_why, "bucket 0") && strstr(g_abort_why, "launch on stream"),
+               "mode %d: %d aborts: %s", mode, g_aborts, g_abort_why);
         g_fail_stream = 0;
         clear_log();
         bf16_bucket_free(&w);
@@ -1378,6 +1382,66 @@ static void test_refused_post_aborts_the_group(void) {
     free(mem[1]);
 }
 
+/* With DDPC_GRAD_BATCH=0 each gradient's cast into the wire, or copy into its slot, is queued as
+ * it arrives. One that fails to queue (a bad launch) fails that gradient's hook with the
+ * launch's reason, and aborts the group with it: the bucket will never be posted here, while
+ * the peers post theirs. Which also holds for an interrupt, which the peers see as this rank's
+ * failure. */
+static void test_failed_gradient_queueing_aborts(void) {
+    enum { CALLER = 5 };
+    setenv("DDPC_GRAD_BATCH", "0", 1);
+    Bf16Bucket w;
+    if (bf16_bucket(&w)) {
+        float g0[3] = {2, 2, 2};
+        int direct = -1;
+        OK(ddpc_reducer_prepare(w.r));
+        g_fail_stream = CALLER;
+        g_aborts = 0;
+        EXPECT(ddpc_reducer_mark_ready_grad(w.r, 0, g0, CALLER, &direct) == DDPC_ERR_CUDA &&
+                   strstr(ddpc_last_error(), "launch on stream 5"),
+               "a cast into the wire that failed to queue: %s", ddpc_last_error());
+        g_fail_stream = 0;
+        EXPECT(g_aborts == 1 && g_abort_status == DDPC_ERR_CUDA &&
+                   strstr(g_abort_why, "launch on stream 5"),
+               "the failed cast: %d aborts, status %d: %s", g_aborts, (int)g_abort_status,
+               g_abort_why);
+        clear_log();
+        bf16_bucket_free(&w);
+    }
+    size_t numels[2] = {4, 4};
+    ddpc_dtype dts[2] = {DDPC_FLOAT32, DDPC_FLOAT32};
+    int devs[2] = {0, 0}, order[2] = {0, 1};
+    DdpcReducer *r = NULL;
+    OK(ddpc_reducer_create(&g_group, 2, numels, dts, devs, order, NULL, 1000, 1000, -1, &r));
+    float *mem = calloc(8, sizeof(float)), g1[4] = {1, 2, 3, 4};
+    if (r && mem) {
+        OK(ddpc_reducer_set_bucket_memory(r, 0, mem));
+        OK(ddpc_reducer_prepare(r));
+        g_fail_stream = CALLER;
+        g_aborts = 0;
+        EXPECT(ddpc_reducer_mark_ready_copy(r, 1, g1, CALLER) == DDPC_ERR_CUDA &&
+                   strstr(ddpc_last_error(), "launch on stream 5"),
+               "a copy into the slot that failed to queue: %s", ddpc_last_error());
+        g_fail_stream = 0;
+        EXPECT(g_aborts == 1 && g_abort_status == DDPC_ERR_CUDA,
+               "the failed copy: %d aborts, status %d: %s", g_aborts, (int)g_abort_status,
+               g_abort_why);
+        /* the same gradient again, now queued, and the rest: the step completes (the abort is
+         * the group's business; this reducer is not broken by it) */
+        OK(ddpc_reducer_mark_ready_copy(r, 1, g1, CALLER));
+        OK(ddpc_reducer_mark_ready(r, 0, CALLER));
+        int unused = -1;
+        OK(ddpc_reducer_finalize(r, CALLER, &unused));
+        EXPECT(g_aborts == 1 && g_nlog == 1 && mem[4 + 3] == 2.5f,
+               "after the retry: %d aborts, %d collectives, %g", g_aborts, g_nlog,
+               (double)mem[4 + 3]);
+        clear_log();
+    }
+    if (r) ddpc_reducer_destroy(r);
+    free(mem);
+    unsetenv("DDPC_GRAD_BATCH");
+}
+
 /* DDPC_TAIL_BUCKET_MB: the gradients that complete last get buckets of their own, of at most that
  * size, before trailing parameters larger than that. Sequence (reverse order): 9 float32
  * parameters of 100 elements (400 bytes), then one of 1000 (4000 bytes, "the tied embedding");
@@ -1455,6 +1519,7 @@ int main(void) {
     test_summed_wire();
     test_bad_arguments();
     test_refused_post_aborts_the_group();
+    test_failed_gradient_queueing_aborts();
     clear_log();
     return check_summary("test_reducer");
 }
