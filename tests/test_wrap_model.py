@@ -694,6 +694,86 @@ def sc_amp(rank):
     return {"norms": norms, "params": [p.detach().reshape(-1).tolist() for p in model.parameters()]}
 
 
+def sc_comm_hook(rank):
+    """torch DDP's register_comm_hook with torch's own hooks: the same gradients, bit for bit, as
+    wrap_model with the grad_dtype the hook amounts to; other hooks and misuse raise."""
+    import ddpc
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    def grads_of(hook, grad_dtype):
+        model = make(MLP, rank, torch.float32)
+        wrapped = ddpc.wrap_model(model, grad_dtype=grad_dtype, bucket_cap_mb=SMALL)
+        if hook is not None:
+            wrapped.register_comm_hook(None, hook)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        out = []
+        for step in range(3):  # (the second step on the observed bucket order)
+            x, y = batch(130 + step, torch.float32)
+            opt.zero_grad()
+            mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+            out.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+        return out
+
+    def same(a, b):
+        return all(torch.equal(u, v) for sa, sb in zip(a, b) for u, v in zip(sa, sb))
+
+    plain = grads_of(None, None)
+    bf16 = grads_of(None, torch.bfloat16)
+    fp16 = grads_of(None, torch.float16)
+    out = {"bf16_differs": not same(plain, bf16), "fp16_differs": not same(plain, fp16),
+           "allreduce": same(grads_of(dh.allreduce_hook, None), plain),
+           "bf16_hook": same(grads_of(dh.bf16_compress_hook, None), bf16),
+           "fp16_hook": same(grads_of(dh.fp16_compress_hook, None), fp16),
+           "bf16_wrapper": same(grads_of(dh.bf16_compress_wrapper(dh.allreduce_hook), None), bf16),
+           "fp16_wrapper": same(grads_of(dh.fp16_compress_wrapper(dh.allreduce_hook), None), fp16),
+           "same_dtype": same(grads_of(dh.bf16_compress_hook, torch.bfloat16), bf16)}
+    wrapped = ddpc.wrap_model(make(MLP, rank, torch.float32))
+    errors = {}
+    for name, call in [
+            ("powersgd", lambda: wrapped.register_comm_hook(None, psgd.powerSGD_hook)),
+            ("wrapped_powersgd", lambda: wrapped.register_comm_hook(
+                None, dh.fp16_compress_wrapper(psgd.powerSGD_hook))),
+            ("own", lambda: wrapped.register_comm_hook(None, lambda state, bucket: None)),
+            ("not_callable", lambda: wrapped.register_comm_hook(None, "fp16")),
+            ("state", lambda: wrapped.register_comm_hook(object(), dh.bf16_compress_hook)),
+            ("conflict", lambda: ddpc.wrap_model(make(MLP, rank, torch.float32),
+                                                 grad_dtype=torch.float16)
+             .register_comm_hook(None, dh.bf16_compress_hook))]:
+        try:
+            call()
+            errors[name] = None
+        except Exception as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+    x, y = batch(140, torch.float32)
+    loss = mse(wrapped(shard(x, rank)), shard(y, rank))
+    try:
+        wrapped.register_comm_hook(None, dh.bf16_compress_hook)
+        errors["mid_step"] = None
+    except Exception as e:
+        errors["mid_step"] = f"{type(e).__name__}: {e}"
+    loss.backward()
+    wrapped.register_comm_hook(wrapped._group, dh.bf16_compress_hook)
+    try:
+        wrapped.register_comm_hook(None, dh.bf16_compress_hook)
+        errors["twice"] = None
+    except Exception as e:
+        errors["twice"] = f"{type(e).__name__}: {e}"
+    other = ddpc.wrap_model(make(MLP, rank, torch.float32))
+    try:
+        other.register_comm_hook(None, dh.bf16_compress_hook if rank == 0 else
+                                 dh.fp16_compress_hook)
+        errors["mismatch"] = None
+    except Exception as e:
+        errors["mismatch"] = f"{type(e).__name__}: {e}"
+    # the group goes on: a step of the model that registered its hook
+    x, y = batch(141, torch.float32)
+    mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+    out["errors"] = errors
+    return out
+
+
 SCENARIOS = [
     ("equivalence", _equivalence_runs),
     ("branches", sc_branches),
@@ -711,6 +791,7 @@ SCENARIOS = [
     ("fresh_slots", sc_fresh_slots),
     ("host_times", sc_host_times),
     ("stream_switch", sc_stream_switch),
+    ("comm_hook", sc_comm_hook),
 ]
 
 
@@ -835,6 +916,41 @@ def test_gpu_scenarios_pass_on_the_cpu_backend():
     import test_gpu_wrap_model
     got = test_gpu_wrap_model.check_on_cpu(world=2)
     assert set(got) == {0, 1} and all(got[r]["bf16_mixed"][0] == "ok" for r in got), got
+
+
+def test_torch_comm_hooks_map_to_grad_dtype_and_others_are_refused(runs):
+    for rank, r in enumerate(result(runs, "comm_hook")):
+        assert r["bf16_differs"] and r["fp16_differs"]  # (so "the same" below means something)
+        for k in ("allreduce", "bf16_hook", "fp16_hook", "bf16_wrapper", "fp16_wrapper",
+                  "same_dtype"):
+            assert r[k], (k, r)
+        e = r["errors"]
+        assert e["powersgd"].startswith("NotImplementedError: register_comm_hook: powerSGD_hook "
+                                        "has no ddpc equivalent"), e["powersgd"]
+        assert "torch's DistributedDataParallel instead" in e["powersgd"]
+        assert e["wrapped_powersgd"].startswith(
+            "NotImplementedError: register_comm_hook: fp16_compress_wrapper(powerSGD_hook) has "
+            "no ddpc equivalent"), e["wrapped_powersgd"]
+        assert e["own"].startswith("NotImplementedError: register_comm_hook: "), e["own"]
+        assert "<lambda> has no ddpc equivalent" in e["own"], e["own"]
+        assert e["not_callable"] == ("TypeError: register_comm_hook: hook must be a function "
+                                     "(torch's default_hooks.fp16_compress_hook, for example), "
+                                     "got str"), e["not_callable"]
+        assert e["state"].startswith("ValueError: register_comm_hook: state must be None or this "
+                                     "model's process group"), e["state"]
+        assert e["conflict"] == ("ValueError: register_comm_hook: bf16_compress_hook reduces "
+                                 "gradients in bfloat16, but the model was wrapped with "
+                                 "grad_dtype=float16: pass one of them"), e["conflict"]
+        assert e["mid_step"].startswith("RuntimeError: register_comm_hook: a forward ran and its "
+                                        "backward has not ended"), e["mid_step"]
+        assert e["twice"].startswith("RuntimeError: register_comm_hook can only be called once "
+                                     "(bf16_compress_hook is registered already)"), e["twice"]
+        assert e["mismatch"].startswith("MismatchError: wrap_model: the ranks wrapped their models "
+                                        "with different settings: rank 0 has "
+                                        "register_comm_hook=bf16_compress_hook but rank 1 has "
+                                        "register_comm_hook=fp16_compress_hook. Every rank must "
+                                        "register the same communication hook"), e["mismatch"]
+        assert e["mismatch"].endswith(f"(seen on rank {rank})"), e["mismatch"]
 
 
 def test_mismatched_models_raise_on_every_rank(runs):

@@ -205,12 +205,14 @@ def _verify_same_model(module: torch.nn.Module, group: Any, device: torch.device
     if texts[0][0] != texts[bad[0]][0]:
         mine, theirs = texts[0][0].split("\n"), texts[bad[0]][0].split("\n")
         which = next((k for k in range(min(len(mine), len(theirs))) if mine[k] != theirs[k]), 0)
+        what = mine[which].split("=", 1)[0]
+        fix = (f"set the same {what}" if what.startswith("DDPC_") else
+               "register the same communication hook" if what == "register_comm_hook" else
+               f"pass the same {what}")
         raise _C.MismatchError(
             f"wrap_model: the ranks wrapped their models with different settings: rank 0 has "
-            f"{mine[which]} but rank {bad[0]} has {theirs[which]}. Every rank must pass the same "
-            f"bucket_cap_mb, grad_dtype and broadcast_buffers, and set the same "
-            f"DDPC_TAIL_BUCKET_MB (their buckets and collectives must pair up) (seen on rank "
-            f"{group.rank})")
+            f"{mine[which]} but rank {bad[0]} has {theirs[which]}. Every rank must {fix} (their "
+            f"buckets and collectives must pair up) (seen on rank {group.rank})")
     parsed = [[tuple(line.split("\t", 1)) for line in t[1].split("\n") if line]
               for t in texts]
     what = _first_difference(parsed[0], parsed[bad[0]], 0, bad[0])
@@ -308,6 +310,8 @@ class DistributedModel(torch.nn.Module):
         self._cap_bytes = bucket_cap_bytes
         self._broadcast_buffers = broadcast_buffers
         self._grad_dtype = grad_dtype
+        self._comm_hook: Optional[str] = None  # register_comm_hook's, by name
+        self._default_cap = False  # set by wrap_model when bucket_cap_mb was None
         self._require_sync = True
         self._active = False           # a synced step is prepared and not yet finalized
         self._finalize_queued = False
@@ -1001,6 +1005,44 @@ class DistributedModel(torch.nn.Module):
         finally:
             self._require_sync = old
 
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """torch DDP's register_comm_hook, for torch's own all-reduce hooks (from
+        torch.distributed.algorithms.ddp_comm_hooks.default_hooks): allreduce_hook changes
+        nothing, fp16_compress_hook and bf16_compress_hook (or fp16_compress_wrapper /
+        bf16_compress_wrapper of allreduce_hook) reduce the gradients in that dtype, as
+        wrap_model(grad_dtype=...) does. Other hooks raise NotImplementedError (ddpc calls no
+        Python hook). state must be None or this model's process group. As in torch, every rank
+        registers the same hook, once, before a step or between steps (not between a forward and
+        its backward); the ranks compare their hooks (MismatchError when they differ)."""
+        dtype, name = _comm_hook_dtype(hook)
+        if state is not None and state is not self._group:
+            raise ValueError(f"register_comm_hook: state must be None or this model's process "
+                             f"group (the hook's all-reduce goes over that group), got "
+                             f"{type(state).__name__}")
+        if self._comm_hook is not None:
+            raise RuntimeError(f"register_comm_hook can only be called once ({self._comm_hook} "
+                               f"is registered already), as with torch DDP")
+        if self._active:
+            raise RuntimeError("register_comm_hook: a forward ran and its backward has not ended: "
+                               "register the hook before the first forward, or between steps")
+        if self._grad_dtype is not None and dtype != self._grad_dtype:
+            raise ValueError(f"register_comm_hook: {name} reduces gradients in "
+                             f"{str(dtype or 'their own dtype').replace('torch.', '')}, but the "
+                             f"model was wrapped with grad_dtype="
+                             f"{str(self._grad_dtype).replace('torch.', '')}: pass one of them")
+        with _on(self._device):
+            # (a collective: every rank must register, and register the same hook)
+            _verify_same_model(self.module, self._group, self._device, None,
+                               [("register_comm_hook", name)])
+            self._comm_hook = name
+            if dtype is not None and dtype != self._grad_dtype:
+                self._grad_dtype = dtype
+                if self._default_cap:
+                    # (the default for a 16-bit grad_dtype, as wrap_model would have chosen)
+                    self._cap_bytes = int(default_bucket_cap_mb(self._group, dtype) * (1 << 20))
+                self._build_buckets()
+
     # ------------------------------------------------------------------ module protocol
 
     def __getattr__(self, name: str) -> Any:
@@ -1073,6 +1115,44 @@ def _nested_load_hook(module: DistributedModel, state_dict: Dict[str, Any], pref
     inner = prefix + "module."
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+def _comm_hook_dtype(hook: Any) -> Tuple[Optional[torch.dtype], str]:
+    """The grad_dtype that one of torch DDP's communication hooks amounts to, and the hook's name.
+    ddpc's reducer communicates in C and calls no Python hook, so only torch's own all-reduce
+    hooks have an equivalent; any other raises NotImplementedError saying what to use."""
+    if not callable(hook):
+        raise TypeError(f"register_comm_hook: hook must be a function (torch's "
+                        f"default_hooks.fp16_compress_hook, for example), got "
+                        f"{type(hook).__name__}")
+    name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or repr(hook)
+    try:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+    except ImportError:  # (a torch built without distributed support has none of them)
+        dh = None
+    if dh is not None:
+        known = {dh.allreduce_hook: None, dh.fp16_compress_hook: torch.float16,
+                 dh.bf16_compress_hook: torch.bfloat16}
+        for fn, dtype in known.items():
+            if hook is fn:
+                return dtype, fn.__name__
+        # fp16_compress_wrapper(allreduce_hook) / bf16_compress_wrapper(allreduce_hook): the
+        # wrapper's closure holds the hook it wraps.
+        for wrapper, dtype in (("fp16_compress_wrapper", torch.float16),
+                               ("bf16_compress_wrapper", torch.bfloat16)):
+            if getattr(hook, "__module__", None) == dh.__name__ and \
+                    str(name).startswith(wrapper + ".<locals>."):
+                inner = [c.cell_contents for c in (getattr(hook, "__closure__", None) or ())]
+                if inner == [dh.allreduce_hook]:
+                    return dtype, f"{wrapper}(allreduce_hook)"
+                name = f"{wrapper}({', '.join(getattr(f, '__name__', repr(f)) for f in inner)})"
+    raise NotImplementedError(
+        f"register_comm_hook: {name} has no ddpc equivalent. ddpc's reducer runs the gradient "
+        f"communication in C and calls no Python hook; it takes torch's allreduce_hook (the "
+        f"default), fp16_compress_hook and bf16_compress_hook (also as fp16_compress_wrapper or "
+        f"bf16_compress_wrapper of allreduce_hook), which are wrap_model(grad_dtype=None, "
+        f"torch.float16, torch.bfloat16). For another hook (PowerSGD, your own), wrap the model "
+        f"with torch's DistributedDataParallel instead")
 
 
 def _check_ddp_keywords(device_ids: Any, output_device: Any, dim: int,
@@ -1205,10 +1285,13 @@ def wrap_model(module: torch.nn.Module, *, bucket_cap_mb: Optional[float] = None
     if not isinstance(g, _C.Group):
         raise TypeError(f"wrap_model: group must be a process group (ddpc._C.Group) or None for "
                         f"the default one, got {type(g).__name__}")
-    if bucket_cap_mb is None:
+    default_cap = bucket_cap_mb is None
+    if default_cap:
         bucket_cap_mb = default_bucket_cap_mb(g, grad_dtype)
-    return DistributedModel(module, int(bucket_cap_mb * (1 << 20)), broadcast_buffers, grad_dtype,
-                            g)
+    model = DistributedModel(module, int(bucket_cap_mb * (1 << 20)), broadcast_buffers,
+                             grad_dtype, g)
+    model._default_cap = default_cap  # (register_comm_hook picks the default for its dtype)
+    return model
 
 
 def DistributedDataParallel(module: torch.nn.Module, device_ids: Any = None,  # noqa: N802
