@@ -758,6 +758,61 @@ def rows_host_wait(rank: int, dev: torch.device) -> Dict[str, float]:
     return out
 
 
+def sc_join_hook(rank: int, dev: torch.device) -> Dict[str, Any]:
+    """join() with uneven inputs (each rank 2 batches more than the one before it), gradients
+    averaged over every rank and over those still running: the same parameters on every rank as
+    one process that averages each step's ranks. And register_comm_hook with torch's
+    bf16_compress_hook: exactly the reduction of grad_dtype=torch.bfloat16, default cap included."""
+    import ddpc
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+    batches = [3 + 2 * r for r in range(WORLD)]
+    out: Dict[str, Any] = {}
+    for divide in (True, False):
+        model = make(Branchy, rank, torch.float64, dev)
+        wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        with wrapped.join(divide_by_initial_world_size=divide):
+            for k in range(batches[rank]):
+                x, y = batch(180 + k, dev)
+                opt.zero_grad()
+                mse(wrapped(shard(x, rank), 0), shard(y, rank)).backward()
+                opt.step()
+        ref = reference(Branchy, torch.float64, dev)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for k in range(max(batches)):
+            x, y = batch(180 + k, dev)
+            running = [r for r in range(WORLD) if k < batches[r]]
+            per_rank = [local_grads(ref, lambda m, r=r: mse(m(shard(x, r), 0), shard(y, r)))
+                        for r in running]
+            for i, p in enumerate(ref.parameters()):
+                p.grad = sum(g[i] for g in per_rank) / (WORLD if divide else len(running))
+            ref_opt.step()
+        out[f"err_{divide}"] = max_diff(model, ref)
+    grads = {}
+    for how in ("hook", "grad_dtype"):
+        model = make(TinyLM, rank, torch.float32, dev)
+        if how == "hook":
+            wrapped = ddpc.wrap_model(model)
+            wrapped.register_comm_hook(None, dh.bf16_compress_hook)
+            out["wire_codes"] = [wrapped._reducer.bucket_info(b)[3]
+                                 for b in range(wrapped._reducer.num_buckets)]
+        else:
+            wrapped = ddpc.wrap_model(model, grad_dtype=torch.bfloat16)
+        out[f"cap_{how}"] = wrapped._cap_bytes
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        grads[how] = []
+        for k in range(3):
+            gen = torch.Generator().manual_seed(190 + 10 * k + rank)
+            tokens = torch.randint(0, 37, (B, 12), generator=gen).to(dev)
+            opt.zero_grad()
+            wrapped(tokens).float().pow(2).mean().backward()
+            grads[how].append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+    out["hook_same"] = all(torch.equal(a, b) for ga, gb in zip(grads["hook"], grads["grad_dtype"])
+                           for a, b in zip(ga, gb))
+    return out
+
+
 SCENARIOS = [
     ("equivalence", sc_equivalence),
     ("torch_ddp", sc_torch_ddp),
@@ -769,6 +824,7 @@ SCENARIOS = [
     ("memory", sc_memory),
     ("side_stream", sc_side_stream),
     ("embedding_rows", sc_embedding_rows),
+    ("join_hook", sc_join_hook),
 ]
 
 
@@ -1041,10 +1097,20 @@ def check_embedding_rows(runs: Dict[int, Dict[str, Any]]) -> None:
             assert (c["first"] == "tok.weight") == tied, (case, c["first"])
 
 
+def check_join_hook(runs: Dict[int, Dict[str, Any]]) -> None:
+    bf16 = 3  # csrc/ddpc.h DDPC_BFLOAT16
+    for r in result(runs, "join_hook"):
+        assert r["err_True"] < 1e-12 and r["err_False"] < 1e-12, r
+        assert r["wire_codes"] and all(c == bf16 for c in r["wire_codes"]), r
+        assert r["cap_hook"] == r["cap_grad_dtype"], r
+        assert r["hook_same"], r
+
+
 CHECKS = [("equivalence", check_equivalence), ("torch_ddp", check_torch_ddp),
           ("branches", check_branches), ("no_sync", check_no_sync), ("bf16", check_bf16),
           ("bf16_mixed", check_bf16_mixed), ("amp", check_amp), ("memory", check_memory),
-          ("side_stream", check_side_stream), ("embedding_rows", check_embedding_rows)]
+          ("side_stream", check_side_stream), ("embedding_rows", check_embedding_rows),
+          ("join_hook", check_join_hook)]
 
 
 def check_on_cpu(world: int = 2) -> Dict[int, Dict[str, Any]]:
@@ -1095,6 +1161,9 @@ def test_forward_and_backward_on_a_side_stream(runs):
 def test_embedding_lookups_exchanged_as_rows(runs):
     check_embedding_rows(runs)
 
+
+def test_join_with_uneven_inputs_and_torch_bf16_compress_hook(runs):
+    check_join_hook(runs)
 
 def test_buckets_issued_by_the_posting_thread_and_default_bucket_size(runs):
     for rank, r in enumerate(result(runs, "issued")):

@@ -38,6 +38,18 @@ class MLP(torch.nn.Module):
         return self.out(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
+class Counted(MLP):
+    """An MLP with a buffer its forward changes (wrap_model broadcasts rank 0's at each one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(1, dtype=torch.float64))
+
+    def forward(self, x):
+        self.seen += 1
+        return super().forward(x)
+
+
 class Branchy(torch.nn.Module):
     """head_c is never used; head_a / head_b per call."""
 
@@ -774,6 +786,114 @@ def sc_comm_hook(rank):
     return out
 
 
+def sc_join(rank):
+    """join() with uneven inputs: the ranks that run out stand in for the others' steps (buffer
+    broadcasts, all-reduces of zeros), and at the end every rank holds the last one's model, the
+    same as one process averaging what each step's ranks computed."""
+    import ddpc
+
+    def run(cls, batches, divide, accumulate):
+        model = make(cls, rank, torch.float64)
+        wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        with wrapped.join(divide_by_initial_world_size=divide):
+            for k in range(batches[rank]):
+                x, y = batch(150 + k)
+                opt.zero_grad()
+                if accumulate:  # a no_sync forward first, its gradient added to the next one's
+                    with wrapped.no_sync():
+                        mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+                mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+                opt.step()
+        ref = make(MLP, 0, torch.float64)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for k in range(max(batches.values())):
+            x, y = batch(150 + k)
+            running = [r for r in range(WORLD) if k < batches[r]]
+            per_rank = [local_grads(ref, lambda m, r=r: mse(m(shard(x, r)), shard(y, r)))
+                        for r in running]
+            for i, p in enumerate(ref.parameters()):
+                total = sum(g[i] for g in per_rank) * (2 if accumulate else 1)
+                p.grad = total / (WORLD if divide else len(running))
+            ref_opt.step()
+        err = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+        return err, model
+
+    out = {}
+    out["err_divide"], counted = run(Counted, {0: 5, 1: 3}, True, False)
+    out["seen"] = counted.seen.item()
+    out["err_running"], _ = run(MLP, {0: 2, 1: 4}, False, True)
+    out["err_even"], _ = run(MLP, {0: 3, 1: 3}, True, False)
+    # embedding lookups routed (DDPC_EMBEDDING_ROWS=1) before and after the block, not inside it
+    rows = {}
+    for mode in ("1", "0"):
+        os.environ["DDPC_EMBEDDING_ROWS"] = mode
+        try:
+            model = make(TiedLM, rank, torch.float64)
+            wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL)
+        finally:
+            del os.environ["DDPC_EMBEDDING_ROWS"]
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+
+        def step(k):
+            tokens = torch.randint(0, 11, (B, 5), generator=torch.Generator().manual_seed(
+                200 + 10 * k + rank))
+            opt.zero_grad()
+            wrapped(tokens).pow(2).mean().backward()
+            opt.step()
+
+        for k in range(2):
+            step(k)
+        with wrapped.join():
+            for k in range(2, 4 if rank == 0 else 6):
+                step(k)
+        step(6)
+        rows[mode] = (model, len(wrapped._routes))
+    out["rows_routes"] = rows["1"][1]
+    out["rows_err"] = max((p - q).abs().max().item()
+                          for p, q in zip(rows["1"][0].parameters(), rows["0"][0].parameters()))
+    # throw_on_early_termination: rank 1 runs out after 2 batches, rank 0 has 4
+    model = make(MLP, rank, torch.float64)
+    wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL)
+    steps = 0
+    try:
+        with wrapped.join(throw_on_early_termination=True):
+            for k in range(4 if rank == 0 else 2):
+                x, y = batch(160 + k)
+                mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+                steps += 1
+        out["throw"] = None
+    except RuntimeError as e:
+        out["throw"] = str(e)
+    out["throw_steps"] = steps
+    x, y = batch(170)
+    for p in model.parameters():
+        p.grad = None
+    mse(wrapped(shard(x, rank)), shard(y, rank)).backward()  # the group goes on
+    mine = local_grads(model, lambda m: mse(m(shard(x, 0)), shard(y, 0)))
+    other = local_grads(model, lambda m: mse(m(shard(x, 1)), shard(y, 1)))
+    out["after_throw_err"] = max((p.grad - (a + b) / 2).abs().max().item()
+                                 for p, a, b in zip(model.parameters(), mine, other))
+    errors = {}
+    for name, call in [("enable", lambda: wrapped.join(enable="yes").__enter__()),
+                       ("divide", lambda: wrapped.join(divide_by_initial_world_size=1)
+                        .__enter__())]:
+        try:
+            call()
+            errors[name] = None
+        except Exception as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+    with wrapped.join():
+        try:
+            with wrapped.join():
+                pass
+            errors["nested"] = None
+        except Exception as e:
+            errors["nested"] = f"{type(e).__name__}: {e}"
+    out["errors"] = errors
+    return out
+
+
 SCENARIOS = [
     ("equivalence", _equivalence_runs),
     ("branches", sc_branches),
@@ -792,6 +912,7 @@ SCENARIOS = [
     ("host_times", sc_host_times),
     ("stream_switch", sc_stream_switch),
     ("comm_hook", sc_comm_hook),
+    ("join", sc_join),
 ]
 
 
@@ -951,6 +1072,29 @@ def test_torch_comm_hooks_map_to_grad_dtype_and_others_are_refused(runs):
                                         "register_comm_hook=fp16_compress_hook. Every rank must "
                                         "register the same communication hook"), e["mismatch"]
         assert e["mismatch"].endswith(f"(seen on rank {rank})"), e["mismatch"]
+
+
+def test_join_stands_in_for_the_ranks_that_ran_out_of_inputs(runs):
+    for rank, r in enumerate(result(runs, "join")):
+        for k in ("err_divide", "err_running", "err_even"):
+            assert r[k] < 1e-12, (k, r)
+        # rank 0 took 5 forwards; rank 1 took 3, then received rank 0's buffer at the 2 more and
+        # rank 0's final one when both had left
+        assert r["seen"] == 5.0, r
+        assert r["rows_routes"] == 1 and r["rows_err"] < 1e-12, r
+        assert r["throw"] == (
+            "join: 1 of 2 ranks ran out of inputs, and throw_on_early_termination=True: every "
+            "rank stops (seen on rank 0)" if rank == 0 else
+            "join: rank 1 ran out of inputs while 1 of 2 ranks had more, and "
+            "throw_on_early_termination=True: every rank stops"), r["throw"]
+        assert r["throw_steps"] == 2, r
+        assert r["after_throw_err"] < 1e-12, r
+        e = r["errors"]
+        assert e["enable"] == "TypeError: join: enable must be a bool, got str", e
+        assert e["divide"] == "TypeError: join: divide_by_initial_world_size must be a bool, " \
+                              "got int", e
+        assert e["nested"] == ("RuntimeError: join: this model is inside join() already (join "
+                               "blocks do not nest)"), e
 
 
 def test_mismatched_models_raise_on_every_rank(runs):

@@ -223,8 +223,8 @@ def _verify_same_model(module: torch.nn.Module, group: Any, device: torch.device
 
 
 def _broadcast_flat(tensors: Sequence[torch.Tensor], group: Any,
-                    device: torch.device) -> List[Any]:
-    """Copies rank 0's values into `tensors` on every rank, whatever their dtype and device.
+                    device: torch.device, src: int = 0) -> List[Any]:
+    """Copies rank src's values into `tensors` on every rank, whatever their dtype and device.
 
     Tensors travel as bytes, packed into chunks of at most BROADCAST_CHUNK_BYTES staged on the
     group's `device` (so host tensors work with nccl, and no full-size copy of the model is ever
@@ -251,7 +251,7 @@ def _broadcast_flat(tensors: Sequence[torch.Tensor], group: Any,
         for ts in chunks:
             first = ts[0]
             if len(ts) == 1 and first.device == device and first.is_contiguous():
-                works.append(dist.broadcast(first.reshape(-1).view(torch.uint8), src=0,
+                works.append(dist.broadcast(first.reshape(-1).view(torch.uint8), src=src,
                                             group=group, async_op=True))
                 continue
             offsets, total = [], 0
@@ -261,11 +261,11 @@ def _broadcast_flat(tensors: Sequence[torch.Tensor], group: Any,
             total = offsets[-1] + ts[-1].numel() * ts[-1].element_size()
             flat = torch.empty(total, dtype=torch.uint8, device=device)
             slots = [flat[o:o + t.numel() * t.element_size()] for o, t in zip(offsets, ts)]
-            if group.rank == 0:
+            if group.rank == src:
                 for s, t in zip(slots, ts):
                     s.copy_(t.detach().reshape(-1).view(torch.uint8))
-            works.append(dist.broadcast(flat, src=0, group=group, async_op=True))
-            if group.rank != 0:
+            works.append(dist.broadcast(flat, src=src, group=group, async_op=True))
+            if group.rank != src:
                 unpack.extend(zip(slots, ts))
         for w in works:
             w.wait()
@@ -293,6 +293,16 @@ class _Sink(torch.autograd.Function):
         return (None,) + grads
 
 
+class _JoinState:
+    """What join() holds while its block runs."""
+
+    def __init__(self, seeds: torch.Tensor, divide_initial: bool, throw: bool) -> None:
+        self.seeds = seeds          # [[1, 0], [1, 1]] on the device: a forward's counts
+        self.divide_initial = divide_initial
+        self.throw = throw
+        self.counts: Optional[torch.Tensor] = None  # the last synced forward's, when dividing
+
+
 class DistributedModel(torch.nn.Module):
     """A module whose gradients are averaged across ranks during backward. Made by wrap_model;
     attribute access falls through to the wrapped module, and state_dict / load_state_dict use
@@ -312,6 +322,7 @@ class DistributedModel(torch.nn.Module):
         self._grad_dtype = grad_dtype
         self._comm_hook: Optional[str] = None  # register_comm_hook's, by name
         self._default_cap = False  # set by wrap_model when bucket_cap_mb was None
+        self._join: Optional[_JoinState] = None  # inside join()
         self._require_sync = True
         self._active = False           # a synced step is prepared and not yet finalized
         self._finalize_queued = False
@@ -415,8 +426,8 @@ class DistributedModel(torch.nn.Module):
     def _routed_lookup(self, r: int, args: Any) -> Any:
         """The forward hook of routed embedding r (_rows.RouteHook): the routed lookup during a
         synced forward of this wrapper, else None (the module's own output stands)."""
-        if not self._routing:
-            return None
+        if not self._routing or self._join is not None:
+            return None  # (inside join(), the ranks that ran out of inputs look nothing up)
         route = self._routes[r]
         if not route.on or len(args) != 1 or not isinstance(args[0], torch.Tensor):
             return None
@@ -855,6 +866,14 @@ class DistributedModel(torch.nn.Module):
             _rows.exchange(self._calls, self._params, self._group, self._rows_store,
                            self._rows_prefix, self._grad_dtype, stream)
         self._drop_wires()
+        j = self._join
+        if j is not None and j.counts is not None:
+            # join(divide_by_initial_world_size=False): the average over the ranks that ran
+            # this step, not over all of them (the others gave zeros); on the device, no wait
+            counts, j.counts = j.counts, None
+            grads = [p.grad for p in self._params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, self._world / counts[0].to(torch.float64))
         if self._rebuild_pending:
             self._rebuild_pending = False
             self._plan_layout_from_observed_order()
@@ -928,6 +947,8 @@ class DistributedModel(torch.nn.Module):
         if grad_on:
             if self._layout_stale:
                 self._build_buckets()
+            if self._join is not None:
+                self._join_notify()
             if self._broadcast_buffers and self._world > 1:
                 buffers = self._current_buffers()
                 if buffers:
@@ -1042,6 +1063,117 @@ class DistributedModel(torch.nn.Module):
                     # (the default for a 16-bit grad_dtype, as wrap_model would have chosen)
                     self._cap_bytes = int(default_bucket_cap_mb(self._group, dtype) * (1 << 20))
                 self._build_buckets()
+
+
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Iterator[None]:
+        """torch DDP's join(), for uneven inputs: ranks whose data runs out before the others'
+        leave the block and then stand in for the steps the others still take (their buffer
+        broadcasts, and their gradient all-reduces with zeros), so nobody waits for collectives
+        that never come. When every rank has left, all of them take the parameters and buffers
+        of the last rank to leave (the highest such rank), as torch does.
+
+            with model.join():
+                for x, y in my_loader:          # ranks may have different numbers of batches
+                    loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+
+        Every rank enters the block; inside it, each forward with autograd on counts as one
+        step (one forward per backward, as in torch), with one small all-reduce to tell the
+        ranks that left. divide_by_initial_world_size: gradients are averaged over all ranks
+        (True, torch's default: the ranks that left give zeros) or over those still taking
+        steps (False). throw_on_early_termination: as soon as one rank runs out, every rank
+        raises RuntimeError instead (the host waits for that count at each forward). enable=False
+        runs the block as it is. Inside the block embedding lookups are not routed
+        (DDPC_EMBEDDING_ROWS): their gradients are all-reduced whole."""
+        for name, value in (("divide_by_initial_world_size", divide_by_initial_world_size),
+                            ("enable", enable),
+                            ("throw_on_early_termination", throw_on_early_termination)):
+            if not isinstance(value, bool):
+                raise TypeError(f"join: {name} must be a bool, got {type(value).__name__}")
+        if self._join is not None:
+            raise RuntimeError("join: this model is inside join() already (join blocks do not "
+                               "nest)")
+        if not enable or self._world == 1:
+            yield
+            return
+        with _on(self._device):
+            seeds = torch.tensor([[1, 0], [1, 1]], dtype=torch.int32).to(self._device)
+        self._join = _JoinState(seeds, divide_by_initial_world_size, throw_on_early_termination)
+        try:
+            yield
+        except BaseException:
+            self._join = None
+            raise
+        try:
+            self._join_shadow()
+        finally:
+            self._join = None
+
+    def _join_notify(self) -> None:
+        """Inside join(), at each forward with autograd on: counts this rank as taking a step
+        (and whether its backward is synced), in one all-reduce that _join_shadow's pairs with
+        on the ranks that left. The host waits for it only with throw_on_early_termination."""
+        j = self._join
+        with _on(self._device):
+            counts = j.seeds[int(self._require_sync)].clone()
+            dist.all_reduce(counts, group=self._group)
+            if self._require_sync and not j.divide_initial:
+                j.counts = counts  # (_finalize_on_device divides by counts[0] / world)
+            if j.throw:
+                running = int(counts[0].item())
+                if running < self._world:
+                    raise RuntimeError(
+                        f"join: {self._world - running} of {self._world} ranks ran out of "
+                        f"inputs, and throw_on_early_termination=True: every rank stops (seen "
+                        f"on rank {self._group.rank})")
+
+    def _join_shadow(self) -> None:
+        """This rank left join()'s block: until every rank has, stands in for each step the
+        others take (see join), then takes the last rank's parameters and buffers."""
+        j, g, dev = self._join, self._group, self._device
+        first = last = True
+        with _on(dev):
+            while True:
+                counts = torch.zeros(2, dtype=torch.int32, device=dev)
+                dist.all_reduce(counts, group=g)
+                running, synced = counts.tolist()
+                if running == 0:
+                    last = first
+                    break
+                if j.throw:
+                    raise RuntimeError(
+                        f"join: rank {g.rank} ran out of inputs while {running} of {g.world_size} "
+                        f"ranks had more, and throw_on_early_termination=True: every rank stops")
+                first = False
+                self._shadow_step(synced > 0)
+            src = torch.tensor([g.rank if last else -1], dtype=torch.int32, device=dev)
+            dist.all_reduce(src, op=dist.ReduceOp.MAX, group=g)
+            _broadcast_flat([p.data for p in self.module.parameters()] +
+                            list(self.module.buffers()), g, dev, src=int(src.item()))
+
+    def _shadow_step(self, synced: bool) -> None:
+        """One step of the ranks still inside join(), on a rank that left it: what their forward
+        and backward communicate, this rank's gradients being zeros."""
+        if self._layout_stale:
+            self._build_buckets()
+        if self._broadcast_buffers and self._world > 1:
+            buffers = self._current_buffers()
+            if buffers:
+                self._buffer_works = _broadcast_flat(buffers, self._group, self._device)
+        if not synced:
+            return
+        if self._routes:
+            # (the forward's count of routed steps, which keys their exchanges, stays the same)
+            self._rows_step += 1
+            self._calls[:] = _rows.prune(self._calls, self._rows_step)
+        for p in self._params:
+            p.grad = None  # this rank's part: zeros (an unused parameter's)
+        self._synced_forward = True
+        self._grad_hooks.fast = False
+        self._arm()
+        self._attach_grads()
+        self._finalize()
 
     # ------------------------------------------------------------------ module protocol
 
