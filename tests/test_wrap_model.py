@@ -280,7 +280,12 @@ def sc_no_sync(rank):
         expected = [e / WORLD for e in expected]
         mine0 = local_grads(model, lambda m: loss_of(m, rank, 0))
         opt.zero_grad()
-        with wrapped.no_sync():
+        if rnd == 1:
+            # torch DDP's attribute, which some trainers set instead of entering no_sync()
+            wrapped.require_backward_grad_sync = False
+        out.setdefault("flags", []).append(wrapped.require_backward_grad_sync)
+        with wrapped.no_sync() if rnd != 1 else contextlib.nullcontext():
+            out["flags"].append(wrapped.require_backward_grad_sync)
             loss_of(wrapped, rank, 0).backward()
             # No end-of-backward pass inside no_sync: as in single-process training, a gradient
             # that never arrived may still be None (when its whole bucket stayed released).
@@ -288,6 +293,7 @@ def sc_no_sync(rank):
                 ((p.grad if p.grad is not None else torch.zeros_like(p)) - e).abs().max().item()
                 for p, e in zip(model.parameters(), mine0)))
             loss_of(wrapped, rank, 1).backward()
+        wrapped.require_backward_grad_sync = True
         loss_of(wrapped, rank, 2).backward()
         out["errs"].append(max((p.grad - e).abs().max().item()
                                for p, e in zip(model.parameters(), expected)))
@@ -970,6 +976,7 @@ def test_no_sync_accumulates_locally_then_averages_the_sum(runs):
     for r in outs:
         assert max(r["local_errs"]) < 1e-12, r["local_errs"]  # not averaged inside no_sync
         assert max(r["errs"]) < 1e-12, r["errs"]
+        assert r["flags"] == [True, False, False, False, True, False], r["flags"]
 
 
 def test_weight_sharing(runs):

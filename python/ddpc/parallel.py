@@ -1175,6 +1175,19 @@ class DistributedModel(torch.nn.Module):
         self._attach_grads()
         self._finalize()
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag: False makes the next backward accumulate locally, as inside
+        no_sync() (which sets it for its block)."""
+        return self._require_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"require_backward_grad_sync must be a bool, got "
+                            f"{type(value).__name__}")
+        self._require_sync = value
+
     # ------------------------------------------------------------------ module protocol
 
     def __getattr__(self, name: str) -> Any:
