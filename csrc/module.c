@@ -6,6 +6,8 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include <math.h>
+
 #include "ddpc.h"
 
 /* ---------------------------------------------------------------- module state and errors */
@@ -75,10 +77,44 @@ static int interrupt_hook(void) {
         Py_END_ALLOW_THREADS                 \
     } while (0)
 
-static int64_t timeout_arg_ms(double seconds) {
-    if (seconds < 0) return -1;
+/* A timeout in seconds as milliseconds, -1 for none (infinity). NaN and negative values are
+ * refused (ValueError naming fn; returns 0): NaN would convert to an undefined int64. */
+static int timeout_arg_ms(double seconds, const char *fn, int64_t *out) {
+    if (isnan(seconds) || seconds < 0) {
+        PyObject *v = PyFloat_FromDouble(seconds);
+        if (v) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: timeout must be a number of seconds >= 0 (float('inf') waits "
+                         "without end), got %R", fn, v);
+            Py_DECREF(v);
+        }
+        return 0;
+    }
     double ms = seconds * 1000.0;
-    return ms > 9.0e15 ? -1 : (int64_t)ms;
+    *out = ms > 9.0e15 ? -1 : (int64_t)ms;
+    return 1;
+}
+
+/* O& converter: a timeout given as seconds (int or float) or a datetime.timedelta, as torch's
+ * store takes it; into a double of seconds. */
+static int seconds_converter(PyObject *o, void *out) {
+    double v;
+    if (PyObject_HasAttrString(o, "total_seconds")) {
+        PyObject *r = PyObject_CallMethod(o, "total_seconds", NULL);
+        if (!r) return 0;
+        v = PyFloat_AsDouble(r);
+        Py_DECREF(r);
+    } else if (PyBool_Check(o) || !(PyFloat_Check(o) || PyLong_Check(o))) {
+        PyErr_Format(PyExc_TypeError,
+                     "timeout must be a number of seconds or a datetime.timedelta, got %.100s",
+                     Py_TYPE(o)->tp_name);
+        return 0;
+    } else {
+        v = PyFloat_AsDouble(o);
+    }
+    if (v == -1.0 && PyErr_Occurred()) return 0;
+    *(double *)out = v;
+    return 1;
 }
 
 /* ---------------------------------------------------------------- Store / StoreServer */
@@ -171,15 +207,17 @@ static PyObject *Store_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
     const char *token = NULL;
     int rank = -1;
     double timeout = 60.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "zis|id", kwlist, &host, &port, &token, &rank,
-                                     &timeout))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "zis|iO&", kwlist, &host, &port, &token, &rank,
+                                     seconds_converter, &timeout))
         return NULL;
+    int64_t timeout_ms;
+    if (!timeout_arg_ms(timeout, "Store", &timeout_ms)) return NULL;
     ModState *s = state_of_type(tp);
     if (!s) return NULL;
     StoreObject *self = (StoreObject *)tp->tp_alloc(tp, 0);
     if (!self) return NULL;
     ddpc_status st;
-    DDPC_NOGIL(st, ddpc_store_connect(host, port, token, rank, timeout_arg_ms(timeout), &self->c));
+    DDPC_NOGIL(st, ddpc_store_connect(host, port, token, rank, timeout_ms, &self->c));
     if (st != DDPC_OK) {
         Py_DECREF(self);
         return raise_status(s, st);
@@ -214,9 +252,20 @@ static PyObject *store_set_with(StoreObject *self, PyObject *args,
                                 ddpc_status (*set)(DdpcStore *, const char *, const void *,
                                                    size_t)) {
     const char *key;
+    PyObject *obj;
+    if (!PyArg_ParseTuple(args, "sO", &key, &obj)) return NULL;
+    if (!store_ready(self)) return NULL;
     Py_buffer val;
-    if (!PyArg_ParseTuple(args, "sy*", &key, &val)) return NULL;
-    if (!store_ready(self)) { PyBuffer_Release(&val); return NULL; }
+    if (PyUnicode_Check(obj)) {
+        /* a str is stored as its UTF-8 bytes, as torch's store does */
+        Py_ssize_t n;
+        const char *u = PyUnicode_AsUTF8AndSize(obj, &n);
+        if (!u || PyBuffer_FillInfo(&val, obj, (void *)u, n, 1, PyBUF_SIMPLE) < 0) return NULL;
+    } else if (PyObject_GetBuffer(obj, &val, PyBUF_SIMPLE) < 0) {
+        PyErr_Format(PyExc_TypeError, "store value must be bytes or str, got %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
     ddpc_status st;
     DDPC_NOGIL(st, set(self->c, key, val.buf, (size_t)val.len));
     PyBuffer_Release(&val);
@@ -235,12 +284,14 @@ static PyObject *Store_set_posted(StoreObject *self, PyObject *args) {
 static PyObject *Store_get(StoreObject *self, PyObject *args) {
     const char *key;
     double timeout = 600.0;
-    if (!PyArg_ParseTuple(args, "s|d", &key, &timeout)) return NULL;
+    if (!PyArg_ParseTuple(args, "s|O&", &key, seconds_converter, &timeout)) return NULL;
+    int64_t timeout_ms;
+    if (!timeout_arg_ms(timeout, "Store.get", &timeout_ms)) return NULL;
     if (!store_ready(self)) return NULL;
     void *val = NULL;
     size_t len = 0;
     ddpc_status st;
-    DDPC_NOGIL(st, ddpc_store_get(self->c, key, timeout_arg_ms(timeout), &val, &len));
+    DDPC_NOGIL(st, ddpc_store_get(self->c, key, timeout_ms, &val, &len));
     if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
     PyObject *r = PyBytes_FromStringAndSize(val, (Py_ssize_t)len);
     free(val);
@@ -292,6 +343,12 @@ static PyObject *Store_delete_key(StoreObject *self, PyObject *args) {
 
 /* keys: a sequence of str. Fills a NULL-terminated array of borrowed UTF-8 pointers. */
 static const char **keys_from_seq(PyObject *seq, Py_ssize_t *n, PyObject **fast) {
+    if (PyUnicode_Check(seq)) {
+        /* (a str is a sequence too: of one-letter keys) */
+        PyErr_Format(PyExc_TypeError, "keys must be a list of str, got the str %R: pass [%R]",
+                     seq, seq);
+        return NULL;
+    }
     *fast = PySequence_Fast(seq, "keys must be a list of str");
     if (!*fast) return NULL;
     *n = PySequence_Fast_GET_SIZE(*fast);
@@ -332,12 +389,14 @@ static PyObject *Store_wait(StoreObject *self, PyObject *args) {
     PyObject *seq, *fast;
     Py_ssize_t n;
     double timeout = 600.0;
-    if (!PyArg_ParseTuple(args, "O|d", &seq, &timeout)) return NULL;
+    if (!PyArg_ParseTuple(args, "O|O&", &seq, seconds_converter, &timeout)) return NULL;
+    int64_t timeout_ms;
+    if (!timeout_arg_ms(timeout, "Store.wait", &timeout_ms)) return NULL;
     if (!store_ready(self)) return NULL;
     const char **keys = keys_from_seq(seq, &n, &fast);
     if (!keys) return NULL;
     ddpc_status st;
-    DDPC_NOGIL(st, ddpc_store_wait(self->c, keys, (int)n, timeout_arg_ms(timeout)));
+    DDPC_NOGIL(st, ddpc_store_wait(self->c, keys, (int)n, timeout_ms));
     PyMem_Free(keys);
     Py_DECREF(fast);
     if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
@@ -355,7 +414,7 @@ static PyObject *Store_num_keys(StoreObject *self, PyObject *unused) {
 }
 
 static PyMethodDef Store_methods[] = {
-    {"set", (PyCFunction)Store_set, METH_VARARGS, "set(key, value: bytes)"},
+    {"set", (PyCFunction)Store_set, METH_VARARGS, "set(key, value: bytes | str)"},
     {"set_posted", (PyCFunction)Store_set_posted, METH_VARARGS,
      "set_posted(key, value: bytes): a set without waiting for its reply (at most 4 KiB); a "
      "refusal is raised by the next call on this store"},
@@ -476,11 +535,13 @@ static PyObject *Group_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_TypeError, "store must be an open ddpc._C.Store");
         return NULL;
     }
+    int64_t timeout_ms;
+    if (!timeout_arg_ms(timeout, "Group", &timeout_ms)) return NULL;
     GroupObject *self = (GroupObject *)tp->tp_alloc(tp, 0);
     if (!self) return NULL;
     DdpcGroupConfig cfg = {
         .rank = rank, .world_size = world, .local_rank = local_rank,
-        .local_world_size = local_world, .backend = backend, .timeout_ms = timeout_arg_ms(timeout),
+        .local_world_size = local_world, .backend = backend, .timeout_ms = timeout_ms,
         .store = ((StoreObject *)store)->c, .prefix = prefix, .transport = (ddpc_transport)transport,
         .host_id = host_id, .bind_addr = bind_addr, .cuda_device = device,
     };
@@ -650,6 +711,10 @@ static PyObject *Group_abort(GroupObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Group_get_destroyed(GroupObject *self, void *c) {
+    (void)c;
+    return PyBool_FromLong(self->g == NULL);
+}
 static PyObject *Group_get_rank(GroupObject *self, void *c) {
     (void)c;
     return group_ready(self) ? PyLong_FromLong(ddpc_group_rank(self->g)) : NULL;
@@ -762,6 +827,7 @@ static PyObject *Group_trace_stop(GroupObject *self, PyObject *unused) {
 
 static PyGetSetDef Group_getset[] = {
     {"rank", (getter)Group_get_rank, NULL, NULL, NULL},
+    {"destroyed", (getter)Group_get_destroyed, NULL, "True once destroy() ran", NULL},
     {"world_size", (getter)Group_get_size, NULL, NULL, NULL},
     {"backend", (getter)Group_get_backend, NULL, NULL, NULL},
     {"transport", (getter)Group_get_transport, NULL, NULL, NULL},
@@ -942,12 +1008,17 @@ static PyObject *Reducer_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"group", "numels", "dtypes", "devices", "order", "late",
                              "first_bucket_bytes", "bucket_cap_bytes", "comm_dtype", NULL};
     PyObject *group, *numels_o, *dtypes_o, *devices_o, *order_o = Py_None, *late_o = Py_None;
-    unsigned long long first_bytes = 1u << 20, cap_bytes = 25u << 20;
+    Py_ssize_t first_bytes = (Py_ssize_t)1 << 20, cap_bytes = (Py_ssize_t)25 << 20;
     int comm_dtype = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|OOKKi", kwlist, &group, &numels_o,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|OOnni", kwlist, &group, &numels_o,
                                      &dtypes_o, &devices_o, &order_o, &late_o, &first_bytes,
                                      &cap_bytes, &comm_dtype))
         return NULL;
+    if (first_bytes <= 0 || cap_bytes <= 0) {
+        PyErr_Format(PyExc_ValueError, "Reducer: bucket sizes must be > 0 bytes (first %zd, cap "
+                     "%zd)", first_bytes, cap_bytes);
+        return NULL;
+    }
     ModState *s = state_of_type(tp);
     if (!s) return NULL;
     if (!PyObject_TypeCheck(group, s->GroupType) || !((GroupObject *)group)->g) {

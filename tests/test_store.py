@@ -421,6 +421,40 @@ def test_get_and_wait_timeouts_name_the_missing_keys(server: int) -> None:
     assert c.get("present", 0.0) == b"1"  # the connection is still in step after timeouts
 
 
+def test_bad_timeouts_keys_and_values_are_refused_and_torch_forms_are_taken(server: int) -> None:
+    """A NaN or negative timeout is a ValueError (NaN used to become an undefined int64); a
+    timedelta is taken, as torch's store takes it; a str value is stored as UTF-8; a bare str
+    as keys is refused rather than waited on letter by letter."""
+    import datetime
+    c = client(server)
+    for bad in (float("nan"), -1.0, -0.5):
+        for call in (lambda: c.get("k", bad), lambda: c.wait(["k"], bad),
+                     lambda: _C.Store("127.0.0.1", server, TOKEN, -1, bad)):
+            with pytest.raises(ValueError, match=r"timeout must be a number of seconds >= 0 "
+                               r"\(float\('inf'\) waits without end\), got "):
+                call()
+    for bad in ("1", None, True):
+        with pytest.raises(TypeError, match="timeout must be a number of seconds or a "
+                           "datetime.timedelta, got " + type(bad).__name__):
+            c.get("k", bad)
+    c.set("text", "héllo")
+    assert c.get("text", datetime.timedelta(seconds=1)) == "héllo".encode()
+    c.wait(["text"], datetime.timedelta(milliseconds=200))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        c.wait(["absent"], datetime.timedelta(milliseconds=300))
+    assert time.monotonic() - t0 >= 0.28
+    c2 = _C.Store("127.0.0.1", server, TOKEN, -1, datetime.timedelta(seconds=5))
+    assert c2.get("text", 0.0) == "héllo".encode()
+    c2.close()
+    with pytest.raises(TypeError, match=r"keys must be a list of str, got the str 'text': "
+                       r"pass \['text'\]"):
+        c.wait("text", 1.0)
+    with pytest.raises(TypeError, match="store value must be bytes or str, got int"):
+        c.set("k", 5)
+    assert c.get("text", 0.0) == "héllo".encode()  # still in step
+
+
 # ---------------------------------------------------------------- ranks that die
 
 RANK_CLIENT = """
