@@ -529,8 +529,11 @@ def sc_mismatch(rank):
                 self.extra = torch.nn.Linear(2, 2)
 
     out = {}
+    frozen = Net(4)
+    frozen.fc.bias.requires_grad_(rank == 0)
     for case, model, kwargs in (
             ("shape", Net(4 if rank == 0 else 5), {}),
+            ("frozen", frozen, {}),
             ("extra", Net(4, extra=rank == 1), {}),
             # settings the collectives depend on: different bucket layouts would pair
             # collectives of different lengths
@@ -1110,6 +1113,9 @@ def test_mismatched_models_raise_on_every_rank(runs):
                 "(10, 5) float32") in r["shape"]
         assert "parameter 'extra.weight': rank 1 has shape (2, 2) float32 but rank 0 has no " \
                "such parameter" in r["extra"]
+        assert ("parameter 'fc.bias' is frozen (requires_grad=False) on rank 1 but trained on "
+                "rank 0: freeze the same parameters on every rank, before wrap_model"
+                in r["frozen"]), r["frozen"]
         assert ("different settings: rank 0 has bucket_cap_mb=25 but rank 1 has "
                 "bucket_cap_mb=0.5. Every rank must pass the same") in r["cap"]
         assert "rank 0 has grad_dtype=None but rank 1 has grad_dtype=bfloat16" in r["dtype"]
@@ -1175,7 +1181,12 @@ def test_reducer_c_unit(sanitize):
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be > 0"),
+    ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be a number of MiB from 2**-20 (one "
+                                       "byte) to 2**40, got 0"),
+    ({"bucket_cap_mb": float("inf")}, ValueError, "bucket_cap_mb must be a number of MiB from"),
+    ({"bucket_cap_mb": float("nan")}, ValueError, "bucket_cap_mb must be a number of MiB from"),
+    ({"bucket_cap_mb": 1e-12}, ValueError, "to 2**40, got 1e-12"),
+    ({"bucket_cap_mb": 2 ** 44 + 1}, ValueError, "to 2**40, got 17592186044417"),
     ({"bucket_cap_mb": "25"}, TypeError, "bucket_cap_mb must be a number of MiB"),
     ({"broadcast_buffers": 1}, TypeError, "broadcast_buffers must be a bool"),
     ({"grad_dtype": torch.float64}, ValueError, "grad_dtype must be None, torch.bfloat16"),
@@ -1238,6 +1249,44 @@ def test_bad_modules_are_named(world_one):
     wrapped = world_one.wrap_model(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="already wrapped"):
         world_one.wrap_model(wrapped)
+    net = torch.nn.Sequential(torch.nn.Embedding(5, 2, sparse=True), torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=re.escape(
+            "wrap_model: module '0' (Embedding) has sparse=True: its gradient is a sparse tensor, "
+            "which ddpc's buckets cannot hold; construct it with sparse=False")):
+        world_one.wrap_model(net)
+    net[0].weight.requires_grad_(False)  # (frozen: not reduced, so no problem)
+    world_one.wrap_model(net)
+
+
+def test_a_sparse_gradient_is_named(world_one):
+    """A sparse gradient from elsewhere (here F.embedding(sparse=True) on a bare parameter,
+    which the module check cannot see) reaches the Python path, which names the parameter
+    instead of failing inside a copy."""
+    class Table(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(5, 2))
+
+        def forward(self, idx):
+            return torch.nn.functional.embedding(idx, self.weight, sparse=True)
+
+    wrapped = world_one.wrap_model(Table())
+    with pytest.raises(TypeError, match=re.escape(
+            "parameter 'weight' got a gradient of layout torch.sparse_coo: ddpc reduces dense "
+            "gradients only")):
+        wrapped(torch.tensor([0, 3])).sum().backward()
+
+
+def test_a_model_whose_group_was_destroyed_says_so(world_one):
+    wrapped = world_one.wrap_model(torch.nn.Linear(2, 2))
+    wrapped(torch.ones(1, 2)).sum().backward()
+    world_one.destroy_process_group()
+    with torch.no_grad():
+        wrapped(torch.ones(1, 2))  # (nothing to communicate)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "this model's process group was destroyed (destroy_process_group): to train it "
+            "data-parallel again, call ddpc.init_process_group() and wrap it anew")):
+        wrapped(torch.ones(1, 2))
 
 
 def test_torch_ddp_call_carries_over(world_one):

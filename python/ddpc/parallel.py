@@ -95,6 +95,13 @@ def _first_difference(a: List[Tuple[str, str]], b: List[Tuple[str, str]], ra: in
             return f"parameter '{b[k][0]}': rank {rb} has shape {b[k][1]} but rank {ra} has no " \
                    f"such parameter"
         name = a[k][0]
+        fa, fb = names_a[name].endswith(" (frozen)"), names_b[name].endswith(" (frozen)")
+        if fa != fb and names_a[name].replace(" (frozen)", "") == \
+                names_b[name].replace(" (frozen)", ""):
+            frozen, trained = (ra, rb) if fa else (rb, ra)
+            return f"parameter '{name}' is frozen (requires_grad=False) on rank {frozen} but " \
+                   f"trained on rank {trained}: freeze the same parameters on every rank, " \
+                   f"before wrap_model"
         if names_a[name] != names_b[name]:
             return f"parameter '{name}': rank {ra} has shape {names_a[name]} but rank {rb} has " \
                    f"{names_b[name]}"
@@ -436,6 +443,14 @@ class DistributedModel(torch.nn.Module):
 
     def _check_params(self) -> Optional[Exception]:
         """The first problem that keeps this rank's parameters out of the reducer, or None."""
+        reduced = {id(p) for p in self._params}
+        for name, m in self.module.named_modules():
+            w = getattr(m, "weight", None)
+            if getattr(m, "sparse", False) is True and id(w) in reduced:
+                return ValueError(f"wrap_model: module '{name or '(the module)'}' "
+                                  f"({type(m).__name__}) has sparse=True: its gradient is a "
+                                  f"sparse tensor, which ddpc's buckets cannot hold; construct "
+                                  f"it with sparse=False")
         nccl = self._group.backend == "nccl"
         for name, p in zip(self._names, self._params):
             if p.dtype not in _GRAD_DTYPES:
@@ -726,6 +741,10 @@ class DistributedModel(torch.nn.Module):
             if model is None:
                 return
             view = model._views[i]
+            if p.grad is not None and p.grad.layout != torch.strided:
+                raise TypeError(f"parameter '{model._names[i]}' got a gradient of layout "
+                                f"{p.grad.layout}: ddpc reduces dense gradients only "
+                                f"(nn.Embedding and F.embedding need sparse=False)")
             if p.grad is not view:
                 # The gradient was created outside its slot (grad was None or replaced after the
                 # forward, or create_graph=True accumulated out of place): move it in, giving its
@@ -945,6 +964,12 @@ class DistributedModel(torch.nn.Module):
         t0 = time.perf_counter_ns()
         grad_on = torch.is_grad_enabled()
         if grad_on:
+            if self._group.destroyed:
+                raise RuntimeError(
+                    "this model's process group was destroyed (destroy_process_group): to train "
+                    "it data-parallel again, call ddpc.init_process_group() and wrap it anew "
+                    "(ddpc.wrap_model(ddpc.unwrap(model))); to run it alone, use "
+                    "ddpc.unwrap(model)")
             if self._layout_stale:
                 self._build_buckets()
             if self._join is not None:
@@ -1410,8 +1435,10 @@ def wrap_model(module: torch.nn.Module, *, bucket_cap_mb: Optional[float] = None
                                       or not isinstance(bucket_cap_mb, (int, float))):
         raise TypeError(f"wrap_model: bucket_cap_mb must be a number of MiB or None, got "
                         f"{type(bucket_cap_mb).__name__}")
-    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-        raise ValueError(f"wrap_model: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+    if bucket_cap_mb is not None and not (0 < bucket_cap_mb < float("inf")
+                                          and 1 <= bucket_cap_mb * (1 << 20) <= 1 << 60):
+        raise ValueError(f"wrap_model: bucket_cap_mb must be a number of MiB from 2**-20 (one "
+                         f"byte) to 2**40, got {bucket_cap_mb}")
     if not isinstance(broadcast_buffers, bool):
         raise TypeError(f"wrap_model: broadcast_buffers must be a bool, got "
                         f"{type(broadcast_buffers).__name__}")
