@@ -644,8 +644,8 @@ static ddpc_status store_set_str(DdpcGroup *g, const char *key, const char *val)
     return ddpc_store_set(g->store, key, val, strlen(val));
 }
 
-/* Waits for one key per rank, "<prefix>/<fmt % r>"; on timeout the store names the keys (so the
- * ranks) still missing. */
+/* Waits for one key per rank, "<prefix>/<fmt % r>"; on timeout the error names the ranks whose
+ * key is still missing (the first 16), in words a user knows rather than as store keys. */
 static ddpc_status store_wait_ranks(DdpcGroup *g, const char *fmt) {
     int P = g->world;
     char *buf = malloc((size_t)P * 256);
@@ -662,6 +662,30 @@ static ddpc_status store_wait_ranks(DdpcGroup *g, const char *fmt) {
         keys[r] = buf + (size_t)r * 256;
     }
     ddpc_status st = ddpc_store_wait(g->store, keys, P, g->timeout_ms);
+    if (st == DDPC_ERR_TIMEOUT) {
+        char missing[200] = "";
+        size_t used = 0;
+        int n_missing = 0, listed = 0;
+        for (int r = 0; r < P; r++) {
+            int present = 1;
+            if (ddpc_store_check(g->store, &keys[r], 1, &present) != DDPC_OK) break;
+            if (present) continue;
+            n_missing++;
+            if (listed < 16 && used < sizeof missing - 16) {
+                int w = snprintf(missing + used, sizeof missing - used, "%s%d", listed ? ", " : "",
+                                 r);
+                if (w > 0) used += (size_t)w;
+                listed++;
+            }
+        }
+        if (n_missing > 0)
+            st = ddpc_error(DDPC_ERR_TIMEOUT,
+                            "timed out after %.1f s: %d of %d rank(s) never got this far: %s%s "
+                            "(did they call init_process_group with the same MASTER_ADDR, "
+                            "MASTER_PORT and WORLD_SIZE, or did they fail before it?)",
+                            (double)g->timeout_ms / 1000.0, n_missing, P, missing,
+                            n_missing > listed ? ", ..." : "");
+    }
     free(buf);
     free(keys);
     return st;

@@ -834,6 +834,11 @@ static void *server_main(void *arg) {
         }
         s->nclients = kept;
     }
+    /* Stop listening before dropping the clients: a client that reconnects once its connection
+     * drops (a rank back at init_process_group) then finds the port closed and retries until the
+     * next store is up, instead of landing in this one's backlog and being cut off unanswered. */
+    if (s->listen_fd >= 0) close(s->listen_fd);
+    s->listen_fd = -1;
     for (size_t i = 0; i < s->nclients; i++) {
         s->clients[i]->clean = 1; /* the server is going away, not the rank */
         client_drop(s, s->clients[i], "the store is stopping");

@@ -659,6 +659,58 @@ def test_non_native_byte_order_is_refused(world_one):
         world_one.all_gather_into_tensor(out, x)
 
 
+def _unpickling_fails():
+    raise ImportError("no module named 'gone'")
+
+
+class _LoadsBadly:
+    def __reduce__(self):
+        return (_unpickling_fails, ())
+
+
+def test_bad_groups_ops_views_outputs_and_objects_are_named(world_one):
+    torch = pytest.importorskip("torch")
+    x = torch.ones(3)
+    with pytest.raises(TypeError, match=r"group must be None \(the default group\), got object: "
+                       r"ddpc has one process group per process \(no new_group\)"):
+        world_one.all_reduce(x, group=object())
+    world_one.all_reduce(x, group=world_one.distributed._default_group())  # (the default: fine)
+    with pytest.raises(ValueError, match=r"op BAND \(from torch.distributed.ReduceOp\) is not "
+                       r"supported by ddpc: use SUM, AVG, MIN, MAX or PRODUCT"):
+        world_one.all_reduce(x, op=torch.distributed.ReduceOp.BAND)
+    world_one.all_reduce(x, op=torch.distributed.ReduceOp.MAX)
+    neg = torch._neg_view(torch.tensor([1.0, -2.0]))
+    with pytest.raises(ValueError, match=r"all_reduce: tensor is a negated view .*pass "
+                       r"tensor.resolve_neg\(\) and copy the result back"):
+        world_one.all_reduce(neg, op="min")
+    fixed = neg.resolve_neg()
+    world_one.all_reduce(fixed, op="min")
+    assert fixed.tolist() == [-1.0, 2.0]
+    with pytest.raises(ValueError, match=r"all_gather: tensor_list\[0\] holds 3 x torch.float64 "
+                       r"but tensor is 3 x torch.float32: every entry of tensor_list must have "
+                       r"tensor's dtype and number of elements"):
+        world_one.all_gather([torch.zeros(3, dtype=torch.float64)], x)
+    with pytest.raises(ValueError, match=r"tensor_list\[0\] holds 4 x torch.float32 but tensor "
+                       r"is 3 x torch.float32"):
+        world_one.all_gather([torch.zeros(4)], x)
+    with pytest.raises(ValueError, match=r"tensor_list\[0\] holds 3 x float32 but tensor is 3 "
+                       r"x float64"):
+        world_one.all_gather([np.zeros(3, np.float32)], np.ones(3))
+    out = [torch.zeros(1, 3)]  # (the same number of elements in another shape: torch allows it)
+    world_one.all_gather(out, x)
+    assert out[0].tolist() == [[1.0, 1.0, 1.0]]
+    got = [None]
+    with pytest.raises(world_one.DistributedError, match=r"all_gather_object: rank 0 cannot "
+                       r"unpickle rank 0's object: ImportError: no module named 'gone' \(is every "
+                       r"class it holds importable, at the same version, on this rank\?\)"):
+        world_one.all_gather_object(got, _LoadsBadly())
+    box = [_LoadsBadly()]
+    world_one.broadcast_object_list(box, src=0)  # (src keeps its list: nothing to unpickle)
+    frozen = np.arange(3.0)
+    frozen.flags.writeable = False
+    world_one.broadcast(frozen, src=0)  # src only reads its tensor
+
+
 def test_sparse_tensor_is_a_type_error(world_one):
     torch = pytest.importorskip("torch")
     s = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,), check_invariants=True)

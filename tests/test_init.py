@@ -2,6 +2,7 @@
 127.0.0.1, plus the bad inputs."""
 import multiprocessing as mp
 import os
+import re
 import sys
 
 import pytest
@@ -110,6 +111,86 @@ def test_wrong_token_is_refused():
     assert any(e[1] == "AuthError" and "DDPC_TOKEN" in e[2] for e in errors), res
 
 
+def _reinit_main(env, rounds, slow_rank, q, init_kwargs=None, start_delay=0.0):
+    """Joins, all-reduces and leaves `rounds` times in one process; slow_rank dawdles before each
+    destroy, so the others come back to init while its old store still serves."""
+    import time
+    for k in LAUNCHER_VARS:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    import numpy as np
+    import ddpc as d
+    time.sleep(start_delay)
+    sums = []
+    try:
+        for i in range(rounds):
+            d.init_process_group(backend="cpu", timeout=30, **(init_kwargs or {}))
+            x = np.array([(d.get_rank() + 1.0) * (i + 1)])
+            d.all_reduce(x)
+            sums.append(float(x[0]))
+            if d.get_rank() == slow_rank:
+                time.sleep(0.5)
+            d.destroy_process_group()
+        q.put(("ok", int(env["RANK"]), sums))
+    except BaseException as e:  # reported to the test, which asserts on it
+        q.put(("error", type(e).__name__, str(e)))
+
+
+@pytest.mark.parametrize("slow_rank", [0, 1], ids=["rank0_slow", "rank1_slow"])
+def test_a_group_can_be_destroyed_and_initialized_again(slow_rank):
+    """Rank 1 back at init before rank 0 has stopped the old store must not join the old one
+    (it used to, and then lost it mid-rendezvous)."""
+    port = free_port()
+    envs = [dict(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                 DDPC_TOKEN="t-reinit") for r in range(2)]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_reinit_main, args=(env, 3, slow_rank, q)) for env in envs]
+    for p in procs:
+        p.start()
+    out = [q.get(timeout=90) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert sorted(out) == [("ok", 0, [3.0, 6.0, 9.0]), ("ok", 1, [3.0, 6.0, 9.0])], out
+
+
+def test_a_stale_rendezvous_file_is_not_trusted_and_rank_0_removes_its_own(tmp_path):
+    """A file:// rendezvous file left by an earlier run names a store that is gone: rank 1 must
+    wait for rank 0's new one (it used to connect to the dead port until the timeout). Rank 0
+    removes its file at destroy_process_group, so the next round cannot read the old one."""
+    path = tmp_path / "rdv"
+    path.write_text(f"127.0.0.1 {free_port()} stale-token\n")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    kw = dict(init_method=f"file://{path}")
+    procs = [ctx.Process(target=_reinit_main,
+                         args=(dict(RANK=str(r), WORLD_SIZE="2"), 2, 0, q, kw, 3.0 if r == 0 else 0))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    out = [q.get(timeout=90) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert sorted(out) == [("ok", 0, [3.0, 6.0]), ("ok", 1, [3.0, 6.0])], out
+    assert not path.exists()
+
+
+def test_a_rank_that_never_came_is_named(clean_env, monkeypatch):
+    monkeypatch.setenv("DDPC_TOKEN", "t-never")
+    port = free_port()
+    with pytest.raises(ddpc.DistributedTimeoutError, match=re.escape(
+            "timed out after 1.5 s: 1 of 2 rank(s) never got this far: 1 (did they call "
+            "init_process_group with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, or did "
+            "they fail before it?)")):
+        ddpc.init_process_group(backend="cpu", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=2, timeout=1.5)
+    assert not ddpc.is_initialized()
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
     for k in LAUNCHER_VARS:
@@ -132,10 +213,39 @@ def test_missing_rank_says_how_to_launch(clean_env):
     (dict(backend="cpu", timeout="10"), TypeError, "timeout must be"),
     (dict(backend="cpu", rank=3, world_size=2), ValueError, r"rank must be in \[0, 2\)"),
     (dict(backend="cpu", bogus=1), TypeError, "bogus"),
+    (dict(backend="cpu", rank="0", world_size=1), TypeError,
+     r"rank must be an int \(or -1 to read RANK from the environment\), got str '0'"),
+    (dict(backend="cpu", rank=0.0, world_size=1), TypeError, "rank must be an int"),
+    (dict(backend="cpu", rank=0, world_size=0), ValueError,
+     r"world_size=0 is not valid: pass world_size >= 1, or -1 \(the default\) to read "
+     r"WORLD_SIZE from the environment"),
+    (dict(backend="cpu", rank=0, world_size=2 ** 40), ValueError, "world_size=1099511627776 is "
+                                                                  "not valid"),
+    (dict(backend="cpu", rank=-3, world_size=2), ValueError, "rank=-3 is not valid"),
+    (dict(backend="cpu", init_method="tcp://127.0.0.1:70000", rank=0, world_size=1), ValueError,
+     r"init_method port='70000' is not a TCP port: use a number from 1 to 65535"),
+    (dict(backend="cpu", init_method="file:///no/such/folder/rdv", rank=0, world_size=1),
+     ValueError, r"init_method file:///no/such/folder/rdv: rank 0 cannot write it \(No such file "
+                 r"or directory\): the folder must exist"),
 ])
 def test_bad_arguments(clean_env, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         ddpc.init_process_group(**kwargs)
+    assert not ddpc.is_initialized()
+
+
+@pytest.mark.parametrize("port, match", [
+    ("abc", r"MASTER_PORT='abc' is not a TCP port: use a number from 1 to 65535"),
+    ("70000", r"MASTER_PORT='70000' is not a TCP port"),
+    ("", "MASTER_PORT is not set"),
+    ("0", "MASTER_PORT=0 cannot be used with more than one rank"),
+])
+def test_bad_master_port(clean_env, monkeypatch, port, match):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", port)
+    monkeypatch.setenv("DDPC_TOKEN", "t")
+    with pytest.raises(ValueError, match=match):
+        ddpc.init_process_group(backend="cpu", rank=1, world_size=2)
     assert not ddpc.is_initialized()
 
 

@@ -7,9 +7,11 @@ checks arguments and turns arrays into (pointer, count, dtype, device, stream).
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import enum
 import hashlib
+import operator
 import os
 import socket
 import sys
@@ -70,6 +72,9 @@ def _reduce_op(op: Any) -> int:
     name = getattr(op, "name", None) or str(op).rsplit(".", 1)[-1]
     if isinstance(name, str) and name.lower() in _OP_NAMES:
         return int(_OP_NAMES[name.lower()])
+    if type(op).__module__.startswith("torch") and isinstance(getattr(op, "name", None), str):
+        raise ValueError(f"op {op.name} (from torch.distributed.ReduceOp) is not supported by "
+                         f"ddpc: use SUM, AVG, MIN, MAX or PRODUCT")
     raise TypeError(f"op must be a str or ddpc.ReduceOp, got {type(op).__name__} {op!r}")
 
 
@@ -92,6 +97,7 @@ class _State:
         self.timeout = DEFAULT_TIMEOUT_S
         self.master = ("", 0)
         self.groups_made = 0
+        self.file_written: Optional[Tuple[str, str]] = None  # rank 0's file:// rendezvous file
 
 
 _state: Optional[_State] = None
@@ -108,8 +114,42 @@ def _env_int(*names: str) -> Optional[int]:
     return None
 
 
+_INT32_LIMIT = 1 << 31
+
+
+def _port_number(value: str, what: str) -> int:
+    """A TCP port from the environment or an init_method, with a message that says what to set."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{what}={value!r} is not a TCP port: use a number from 1 to 65535 (a "
+                         f"free port on the master; 0 picks one, for a single process)")
+    return port
+
+
+def _rank_arg(name: str, value: Any, least: int) -> int:
+    """init_process_group's rank / world_size argument: an int >= least, or -1 / None for the
+    environment's."""
+    if value is None:
+        return -1
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"init_process_group: {name} must be an int (or -1 to read "
+                        f"{name.upper()} from the environment), got {type(value).__name__} "
+                        f"{value!r}")
+    value = operator.index(value)
+    if value != -1 and not least <= value < _INT32_LIMIT:
+        raise ValueError(f"init_process_group: {name}={value} is not valid: pass {name} >= "
+                         f"{least}, or -1 (the default) to read {name.upper()} from the "
+                         f"environment")
+    return value
+
+
 def _resolve_ranks(rank: int, world_size: int) -> Tuple[int, int, int, int]:
     """rank, world, local_rank, local_world from the arguments, then torchrun, SLURM or Open MPI."""
+    rank = _rank_arg("rank", rank, 0)
+    world_size = _rank_arg("world_size", world_size, 1)
     env_rank = _env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
     env_world = _env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
     env_local = _env_int("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
@@ -123,12 +163,17 @@ def _resolve_ranks(rank: int, world_size: int) -> Tuple[int, int, int, int]:
             "init_process_group could not find " + " and ".join(missing) + ": start the script "
             "with `python -m ddpc.launch --nproc-per-node N script.py` (or torchrun/srun/mpirun), "
             "or pass rank= and world_size=")
-    if w < 1:
+    if not 1 <= w < _INT32_LIMIT:
         raise ValueError(f"world_size must be >= 1, got {w}")
     if not 0 <= r < w:
         raise ValueError(f"rank must be in [0, {w}), got {r}")
     local = env_local if env_local is not None else r
     local_world = env_local_world if env_local_world is not None else w
+    if not 0 <= local < _INT32_LIMIT:
+        raise ValueError(f"LOCAL_RANK={local} is not valid: a local rank is >= 0 (the launcher "
+                         f"sets it: start with `python -m ddpc.launch` or torchrun)")
+    if not 1 <= local_world < _INT32_LIMIT:
+        raise ValueError(f"LOCAL_WORLD_SIZE={local_world} is not valid: it must be >= 1")
     return r, w, local, max(local_world, local + 1)
 
 
@@ -184,7 +229,7 @@ def _parse_init_method(init_method: Optional[str]) -> Tuple[str, Any]:
         host, sep, port = hostport.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"init_method={init_method!r}: expected 'tcp://host:port'")
-        return "tcp", (host.strip("[]"), int(port))
+        return "tcp", (host.strip("[]"), _port_number(port, "init_method port"))
     if init_method.startswith("file://"):
         path = init_method[len("file://"):]
         if not path:
@@ -200,26 +245,47 @@ def _file_rendezvous(path: str, rank: int, timeout: float) -> Tuple[str, int, st
         token = os.environ.get("DDPC_TOKEN") or os.urandom(16).hex()
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         server = _C.StoreServer(addr, 0, token)
+        line = f"{addr} {server.port} {token}\n"
         tmp = f"{path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{addr} {server.port} {token}\n")
-        os.replace(tmp, path)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(line)
+            os.replace(tmp, path)
+        except OSError as e:
+            server.stop()
+            raise ValueError(f"init_method file://{path}: rank 0 cannot write it ({e.strerror}): "
+                             f"the folder must exist and be writable, and every rank must see "
+                             f"the same path") from None
         _file_rendezvous.server = server  # type: ignore[attr-defined]
+        _file_rendezvous.written = (path, line)  # type: ignore[attr-defined]
         return addr, server.port, token
+    # A file can outlive its job (rank 0 killed): one whose store does not answer is taken for
+    # stale and read again until rank 0 replaces it.
     deadline = time.monotonic() + timeout
+    stale = None
     while True:
         try:
             with open(path) as f:
-                parts = f.read().split()
-            if len(parts) == 3:
-                return parts[0], int(parts[1]), parts[2]
+                text = f.read()
+            parts = text.split()
+            if len(parts) == 3 and parts[1].isdigit():
+                try:
+                    probe = _C.Store(parts[0], int(parts[1]), parts[2], -1,
+                                     max(0.001, min(2.0, deadline - time.monotonic())))
+                except _C.DistributedError:
+                    stale = text
+                else:
+                    probe.close()
+                    return parts[0], int(parts[1]), parts[2]
         except FileNotFoundError:
             pass
         if time.monotonic() > deadline:
+            what = ("names a store that does not answer (a file left by an earlier run?)"
+                    if stale is not None else "was not written by rank 0")
             raise _C.DistributedTimeoutError(
-                f"rank {rank}: init_method file://{path} was not written by rank 0 within "
-                f"{timeout:.0f} s: is rank 0 running, and do all ranks see the same file?")
+                f"rank {rank}: init_method file://{path} {what} within {timeout:.0f} s: is rank "
+                f"0 running, and do all ranks see the same file?")
         time.sleep(0.05)
 
 
@@ -301,16 +367,20 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     st.backend = backend_name
     st.timeout = timeout_s
     st.device_index = _bind_device(local, backend_name)
+    if r != 0:
+        _await_old_store(r, timeout_s)
     try:
         if kind == "file":
             addr, port, token = _file_rendezvous(where, r, timeout_s)
-            st.server = getattr(_file_rendezvous, "server", None) if r == 0 else None
+            if r == 0:
+                st.server = _file_rendezvous.server  # type: ignore[attr-defined]
+                st.file_written = _file_rendezvous.written  # type: ignore[attr-defined]
         else:
             if kind == "tcp":
                 addr, port = where
             else:
                 addr = os.environ.get("MASTER_ADDR")
-                port_env = os.environ.get("MASTER_PORT")
+                port_env = os.environ.get("MASTER_PORT") or None  # (empty: not set)
                 if w == 1 and not addr:
                     addr = "127.0.0.1"
                 if not addr:
@@ -321,7 +391,10 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
                     raise ValueError("MASTER_PORT is not set: start with `python -m ddpc.launch` "
                                      "or torchrun, or export MASTER_PORT (a free port on "
                                      "MASTER_ADDR)")
-                port = int(port_env) if port_env else 0
+                port = _port_number(port_env, "MASTER_PORT") if port_env else 0
+                if port == 0 and w > 1:
+                    raise ValueError("MASTER_PORT=0 cannot be used with more than one rank: the "
+                                     "other ranks must know the port; export a free port")
             token = _job_token(addr, port, w)
             if r == 0:
                 st.server = _C.StoreServer(_server_bind_addr(addr), port, token)
@@ -376,9 +449,57 @@ def _release(st: _State) -> None:
     if st.store is not None:
         st.store.close()
         st.store = None
+    if st.file_written is not None:
+        # Before the store stops: a rank that reads the file after this waits for the next one.
+        path, line = st.file_written
+        st.file_written = None
+        try:
+            with open(path) as f:
+                mine = f.read() == line
+            if mine:
+                os.unlink(path)
+        except OSError:
+            pass
     if st.server is not None:
         st.server.stop()
         st.server = None
+
+
+# A rank other than 0 keeps its connection to the store of the group it destroyed until rank 0
+# stops that store: its next init_process_group waits for that first, so that it cannot join the
+# old store in the moment before rank 0 stops it (see _await_old_store).
+_old_store: Optional[Any] = None
+
+
+def _close_old_store() -> None:
+    global _old_store
+    old, _old_store = _old_store, None
+    if old is not None:
+        old.close()
+
+
+atexit.register(_close_old_store)
+
+
+def _await_old_store(rank: int, timeout: float) -> None:
+    """Waits until rank 0 stopped the store of the last destroyed group (the kept connection
+    drops), or raises after timeout naming what rank 0 has not done."""
+    global _old_store
+    old, _old_store = _old_store, None
+    if old is None:
+        return
+    try:
+        old.wait(["ddpc/never"], timeout)
+    except _C.DistributedTimeoutError:
+        raise _C.DistributedTimeoutError(
+            f"rank {rank}: init_process_group: the store of the previous process group (served "
+            f"by rank 0) is still up after {timeout:.0f} s: rank 0 has not finished "
+            f"destroy_process_group(). Call destroy_process_group() on every rank before "
+            f"init_process_group() again") from None
+    except _C.DistributedError:
+        pass  # the connection is gone: rank 0 stopped the old store, as awaited
+    finally:
+        old.close()
 
 
 def destroy_process_group(group: Any = None) -> None:
@@ -388,6 +509,7 @@ def destroy_process_group(group: Any = None) -> None:
     if group is not None and _state is not None and group is not _state.group:
         group.destroy()
         return
+    global _old_store
     st = _state
     if st is None:
         return
@@ -401,6 +523,9 @@ def destroy_process_group(group: Any = None) -> None:
                 deadline = time.monotonic() + 10.0
                 while st.store.add("ddpc/left", 0) < st.world_size and time.monotonic() < deadline:
                     time.sleep(0.01)
+            else:
+                _close_old_store()
+                _old_store, st.store = st.store, None
     except _C.DistributedError:
         pass  # a peer or the store is already gone: nothing left to coordinate with
     finally:
@@ -532,6 +657,11 @@ def _torch_buffer(t: Any, what: str) -> _Buffer:
     if not t.is_contiguous():
         raise ValueError(f"{what} is not contiguous (shape {tuple(t.shape)}, strides "
                          f"{t.stride()}): pass tensor.contiguous() and copy the result back")
+    if t.is_neg():
+        # Its memory holds the negated values: MIN would act as MAX, and the result be negated.
+        raise ValueError(f"{what} is a negated view (torch.is_neg(): its memory holds -x, as "
+                         f"from torch._neg_view or the imaginary part of a conj()): pass "
+                         f"tensor.resolve_neg() and copy the result back")
     dev_t = t.device
     if dev_t.type == "cuda":
         dev = dev_t.index if dev_t.index is not None else _current_device()
@@ -645,9 +775,12 @@ class Work:
 
 def _group(group: Any) -> Any:
     st = _require()
-    if group is None:
+    if group is None or group is st.group:
         return st.group
-    return group
+    if isinstance(group, _C.Group):
+        return group
+    raise TypeError(f"group must be None (the default group), got {type(group).__name__}: ddpc "
+                    f"has one process group per process (no new_group), so leave group= out")
 
 
 def _run(g: Any, op: int, send: Optional[_Buffer], recv: _Buffer, count: int, redop: int,
@@ -724,7 +857,7 @@ def broadcast(tensor: Any, src: int = 0, group: Any = None, async_op: bool = Fal
     """Copies rank src's tensor into every rank's tensor (in place)."""
     g = _group(group)
     _check_rank(g, src, "src", "broadcast")
-    b = _as_buffer(tensor, "broadcast: tensor")
+    b = _as_buffer(tensor, "broadcast: tensor", writable=g.rank != src)  # (src only reads it)
     return _run(g, _BROADCAST, None, b, b.count, 0, src, b.owner, async_op)
 
 
@@ -773,6 +906,14 @@ def _concat_like(items: Sequence[Any], what: str) -> Tuple[Any, Any]:
     return flat, lambda: [flat[i] for i in range(len(items))]
 
 
+def _numel(x: Any) -> Optional[int]:
+    n = getattr(x, "numel", None)
+    if callable(n):
+        return int(n())
+    size = getattr(x, "size", None)
+    return size if isinstance(size, int) else None
+
+
 def _copy_into(dst: Any, src: Any) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(dst, torch.Tensor):
@@ -791,6 +932,13 @@ def all_gather(tensor_list: List[Any], tensor: Any, group: Any = None,
                          f"{len(tensor_list) if hasattr(tensor_list, '__len__') else '?'}")
     flat, split = _concat_like([tensor] * g.world_size, "all_gather: tensor")
     inp = _as_buffer(tensor, "all_gather: tensor", writable=False)
+    want = (getattr(tensor, "dtype", None), _numel(tensor))
+    for i, dst in enumerate(tensor_list):
+        got = (getattr(dst, "dtype", None), _numel(dst))
+        if got != want:
+            raise ValueError(f"all_gather: tensor_list[{i}] holds {got[1]} x {got[0]} but tensor "
+                             f"is {want[1]} x {want[0]}: every entry of tensor_list must have "
+                             f"tensor's dtype and number of elements (torch.empty_like(tensor))")
     out = _as_buffer(flat, "all_gather: output")
 
     def finish() -> None:
@@ -862,13 +1010,21 @@ def _pickled(obj: Any, what: str) -> Tuple[bytes, Optional[Exception]]:
         return b"", err
 
 
+def _unpickled(data: bytes, what: str) -> Any:
+    import pickle
+    try:
+        return pickle.loads(data)
+    except Exception as e:  # noqa: BLE001 - any failure to unpickle: named, with its cause
+        raise _C.DistributedError(f"{what}: {type(e).__name__}: {e} (is every class it holds "
+                                  f"importable, at the same version, on this rank?)") from e
+
+
 def all_gather_object(object_list: List[Any], obj: Any, group: Any = None) -> None:
     """object_list[r] becomes rank r's obj, for any picklable obj
     (torch.distributed.all_gather_object). When a rank's obj cannot be pickled, every rank raises,
     naming it. The objects travel pickled: unpickling runs code, so only the job's own ranks,
     which share its DDPC_TOKEN, may take part."""
     import numpy as np
-    import pickle
     g = _group(group)
     world = g.world_size
     if not isinstance(object_list, list) or len(object_list) != world:
@@ -888,7 +1044,9 @@ def all_gather_object(object_list: List[Any], obj: Any, group: Any = None) -> No
     mine[:len(data)] = np.frombuffer(data, dtype=np.uint8)
     rows = _exchanged("gather", mine, group).reshape(world, width)
     for r in range(world):
-        object_list[r] = pickle.loads(rows[r, :int(sizes[r])].tobytes())
+        object_list[r] = _unpickled(rows[r, :int(sizes[r])].tobytes(),
+                                    f"all_gather_object: rank {g.rank} cannot unpickle rank {r}'s "
+                                    f"object")
 
 
 def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None, dst: int = 0,
@@ -916,7 +1074,6 @@ def broadcast_object_list(object_list: List[Any], src: int = 0, group: Any = Non
     `device` is accepted for torch's signature; the bound device is used. The objects travel
     pickled: see all_gather_object."""
     import numpy as np
-    import pickle
     del device
     g = _group(group)
     _check_rank(g, src, "src", "broadcast_object_list")
@@ -944,7 +1101,9 @@ def broadcast_object_list(object_list: List[Any], src: int = 0, group: Any = Non
         raise ValueError(f"broadcast_object_list: rank {src} sent {int(head[1])} objects but "
                          f"rank {g.rank}'s object_list has {len(object_list)}: every rank must "
                          f"pass a list of the same length")
-    object_list[:] = pickle.loads(buf[:int(head[0])].tobytes())
+    object_list[:] = _unpickled(buf[:int(head[0])].tobytes(),
+                                f"broadcast_object_list: rank {g.rank} cannot unpickle rank "
+                                f"{src}'s list")
 
 
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Optional[Work]:
