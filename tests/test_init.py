@@ -37,11 +37,11 @@ def _rank_main(env, kwargs, q):
         q.put(("error", type(e).__name__, str(e)))
 
 
-def run_ranks(envs, kwargs_list=None, timeout=60):
+def spawn_collect(target, arg_tuples, timeout=60):
+    """Runs target(*args, q) in one spawned process per args; returns what each put on q."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    kwargs_list = kwargs_list or [{}] * len(envs)
-    procs = [ctx.Process(target=_rank_main, args=(env, kw, q)) for env, kw in zip(envs, kwargs_list)]
+    procs = [ctx.Process(target=target, args=(*args, q)) for args in arg_tuples]
     for p in procs:
         p.start()
     out = [q.get(timeout=timeout) for _ in procs]
@@ -50,6 +50,11 @@ def run_ranks(envs, kwargs_list=None, timeout=60):
         if p.is_alive():
             p.kill()
     return out
+
+
+def run_ranks(envs, kwargs_list=None, timeout=60):
+    kwargs_list = kwargs_list or [{}] * len(envs)
+    return spawn_collect(_rank_main, list(zip(envs, kwargs_list)), timeout)
 
 
 def check_ok(results, world):
@@ -111,7 +116,7 @@ def test_wrong_token_is_refused():
     assert any(e[1] == "AuthError" and "DDPC_TOKEN" in e[2] for e in errors), res
 
 
-def _reinit_main(env, rounds, slow_rank, q, init_kwargs=None, start_delay=0.0):
+def _reinit_main(env, rounds, slow_rank, init_kwargs, start_delay, q):
     """Joins, all-reduces and leaves `rounds` times in one process; slow_rank dawdles before each
     destroy, so the others come back to init while its old store still serves."""
     import time
@@ -124,7 +129,7 @@ def _reinit_main(env, rounds, slow_rank, q, init_kwargs=None, start_delay=0.0):
     sums = []
     try:
         for i in range(rounds):
-            d.init_process_group(backend="cpu", timeout=30, **(init_kwargs or {}))
+            d.init_process_group(backend="cpu", timeout=30, **init_kwargs)
             x = np.array([(d.get_rank() + 1.0) * (i + 1)])
             d.all_reduce(x)
             sums.append(float(x[0]))
@@ -143,16 +148,7 @@ def test_a_group_can_be_destroyed_and_initialized_again(slow_rank):
     port = free_port()
     envs = [dict(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                  DDPC_TOKEN="t-reinit") for r in range(2)]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_reinit_main, args=(env, 3, slow_rank, q)) for env in envs]
-    for p in procs:
-        p.start()
-    out = [q.get(timeout=90) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
+    out = spawn_collect(_reinit_main, [(env, 3, slow_rank, {}, 0.0) for env in envs], 90)
     assert sorted(out) == [("ok", 0, [3.0, 6.0, 9.0]), ("ok", 1, [3.0, 6.0, 9.0])], out
 
 
@@ -162,19 +158,9 @@ def test_a_stale_rendezvous_file_is_not_trusted_and_rank_0_removes_its_own(tmp_p
     removes its file at destroy_process_group, so the next round cannot read the old one."""
     path = tmp_path / "rdv"
     path.write_text(f"127.0.0.1 {free_port()} stale-token\n")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     kw = dict(init_method=f"file://{path}")
-    procs = [ctx.Process(target=_reinit_main,
-                         args=(dict(RANK=str(r), WORLD_SIZE="2"), 2, 0, q, kw, 3.0 if r == 0 else 0))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    out = [q.get(timeout=90) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
+    out = spawn_collect(_reinit_main, [(dict(RANK=str(r), WORLD_SIZE="2"), 2, 0, kw,
+                                        3.0 if r == 0 else 0.0) for r in range(2)], 90)
     assert sorted(out) == [("ok", 0, [3.0, 6.0]), ("ok", 1, [3.0, 6.0])], out
     assert not path.exists()
 
