@@ -480,7 +480,29 @@ def sc_retain_graph(rank):
         (2 * loss).backward()
         errs.append(max((p.grad - e).abs().max().item()
                         for p, e in zip(model.parameters(), expected)))
-    return {"errs": errs}
+    # After the step, a backward through the unwrapped module on rank 0 alone (a gradient-norm
+    # probe) stays local, as with torch DDP: it used to start an all-reduce, which then paired
+    # with rank 1's next step and averaged the wrong steps' gradients with no error.
+    probe_err = None
+    if rank == 0:
+        x, y = batch(80)
+        want = local_grads(model, lambda m: mse(m(x), y))
+        for p in model.parameters():
+            p.grad = None
+        mse(ddpc.unwrap(wrapped)(x), y).backward()
+        probe_err = max((p.grad - w).abs().max().item() for p, w in zip(model.parameters(), want))
+    after = []
+    for step in range(2):
+        x, y = batch(90 + step)
+        expected = [sum(g) / WORLD for g in zip(*[
+            local_grads(model, lambda m, r=r: mse(m(shard(x, r)), shard(y, r)))
+            for r in range(WORLD)])]
+        for p in model.parameters():
+            p.grad = None
+        mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+        after.append(max((p.grad - e).abs().max().item()
+                         for p, e in zip(model.parameters(), expected)))
+    return {"errs": errs, "probe_err": probe_err, "after_probe": after}
 
 
 def sc_bf16(rank):
@@ -1005,8 +1027,12 @@ def test_zero_grad_modes_keep_grads_as_bucket_views(runs):
 
 
 def test_second_backward_through_the_same_graph_is_averaged_too(runs):
-    for r in result(runs, "retain_graph"):
+    for rank, r in enumerate(result(runs, "retain_graph")):
         assert max(r["errs"]) < 1e-12, r["errs"]
+        # and one through the unwrapped module, on rank 0 only, is not
+        if rank == 0:
+            assert r["probe_err"] < 1e-12, r
+        assert len(r["after_probe"]) == 2 and max(r["after_probe"]) < 1e-12, r
 
 
 def test_a_second_gradient_on_another_stream_replaces_the_first(runs):

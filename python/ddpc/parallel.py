@@ -296,7 +296,7 @@ class _Sink(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Any, ...]:
         model = ctx.owner()
         if model is not None:
-            model._queue_finalize()
+            model._queue_finalize(rearm=True)
         return (None,) + grads
 
 
@@ -759,8 +759,12 @@ class DistributedModel(torch.nn.Module):
                 if not model._finalize_queued:
                     # The sink on the outputs queues the end of backward before any gradient
                     # of the outputs' graph is ready; this covers a backward that does not pass
-                    # through it (a loss made from something other than the outputs).
+                    # through it (a loss made from something other than the outputs). After the
+                    # step's end, such a backward is not this wrapper's (ddpc.unwrap(model)(x)
+                    # .backward(), a probe on one rank): it stays local, as with torch DDP.
                     model._queue_finalize()
+                if not model._finalize_queued:
+                    return
                 # The stream autograd runs this gradient's hook on (as the C hooks do): the
                 # copy above ran there too.
                 stream = dist._raw_stream(model._device.index) if model._is_cuda[i] else 0
@@ -822,13 +826,17 @@ class DistributedModel(torch.nn.Module):
         self._reducer.prepare()
         self._active = True
 
-    def _queue_finalize(self) -> None:
+    def _queue_finalize(self, rearm: bool = False) -> None:
+        """Queues the end-of-backward reduction of an armed step. rearm (from the sink on the
+        outputs): another backward through a synced forward's outputs (retain_graph) is
+        averaged too; a backward that does not pass through them (a gradient hook's call) is
+        not, once the step has ended."""
         if self._finalize_queued:
             return
         if not self._active:
-            if not self._synced_forward:
+            if not (rearm and self._synced_forward):
                 return
-            self._arm()  # another backward through a synced forward's graph: average it too
+            self._arm()
         self._finalize_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         self._grad_hooks.fast = True
