@@ -221,6 +221,67 @@ def sc_branches(rank):
     return {"errs": errs, "head_c": head_c}
 
 
+def sc_unused(rank):
+    """find_unused_parameters=True, as torch DDP: a parameter that no rank used keeps grad None
+    (so optimizers skip it), one that some rank used gets the average, and a gradient
+    accumulated under no_sync counts as a use. Without the flag: zeros, and one warning."""
+    import warnings
+    import ddpc
+    model = make(Branchy, rank, torch.float64)
+    wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL, find_unused_parameters=True)
+    names = [n for n, _ in model.named_parameters()]
+    out = {"none": [], "errs": []}
+
+    def expect(x, y, branch_of, accumulated=None):
+        per_rank = [local_grads(model, lambda m, r=r: mse(m(shard(x, r), branch_of(r)),
+                                                           shard(y, r))) for r in range(WORLD)]
+        exp = [sum(g) / WORLD for g in zip(*per_rank)]
+        return exp if accumulated is None else [e + a for e, a in zip(exp, accumulated)]
+
+    def check(exp):
+        out["none"].append(sorted(n for n, p in zip(names, model.parameters()) if p.grad is None))
+        out["errs"].append(max((p.grad - e).abs().max().item()
+                               for p, e in zip(model.parameters(), exp) if p.grad is not None))
+
+    # every rank on head_a; then rank r on head r (both heads used somewhere)
+    for step, branch_of in enumerate([lambda r: 0, lambda r: r]):
+        x, y = batch(300 + step)
+        exp = expect(x, y, branch_of)
+        model.zero_grad(set_to_none=True)
+        mse(wrapped(shard(x, rank), branch_of(rank)), shard(y, rank)).backward()
+        check(exp)
+    # head_b accumulated under no_sync, then a synced step on head_a: head_b is used
+    x, y = batch(310)
+    model.zero_grad(set_to_none=True)
+    acc = [sum(g) / WORLD for g in zip(*[  # (averaged at the synced step, with the rest)
+        local_grads(model, lambda m, r=r: mse(m(shard(x, r), 1), shard(y, r)))
+        for r in range(WORLD)])]
+    with wrapped.no_sync():
+        mse(wrapped(shard(x, rank), 1), shard(y, rank)).backward()
+    x2, y2 = batch(311)
+    exp = expect(x2, y2, lambda r: 0, acc)
+    mse(wrapped(shard(x2, rank), 0), shard(y2, rank)).backward()
+    check(exp)
+    # zero_grad(set_to_none=False): a gradient made None by the flag stays None (torch's zero_grad
+    # leaves None alone), the others are zeros that the step overwrites
+    model.zero_grad(set_to_none=False)
+    x, y = batch(312)
+    exp = expect(x, y, lambda r: 0)
+    mse(wrapped(shard(x, rank), 0), shard(y, rank)).backward()
+    check(exp)
+    # without the flag: zeros for unused parameters, and a warning that says what to do, once
+    plain = ddpc.wrap_model(make(Branchy, rank, torch.float64), bucket_cap_mb=SMALL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x, y = batch(320 + step)
+            mse(plain(shard(x, rank), 0), shard(y, rank)).backward()
+    out["plain_zero"] = all(p.grad is not None and not p.grad.any()
+                            for p in ddpc.unwrap(plain).head_c.parameters())
+    out["warnings"] = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    return out
+
+
 def sc_fresh_slots(rank):
     """After zero_grad(set_to_none=True) a bucket gets uninitialized memory at its first
     gradient (each gradient is copied into its slot). With memory that held NaN just before,
@@ -940,6 +1001,7 @@ SCENARIOS = [
     ("memory_format", sc_memory_format),
     ("failed_backward", sc_failed_backward),
     ("fresh_slots", sc_fresh_slots),
+    ("unused", sc_unused),
     ("host_times", sc_host_times),
     ("stream_switch", sc_stream_switch),
     ("comm_hook", sc_comm_hook),
@@ -1024,6 +1086,18 @@ def test_zero_grad_modes_keep_grads_as_bucket_views(runs):
     for r in result(runs, "zero_grad"):
         assert all(r["views"]), list(zip(r["modes"], r["views"]))
         assert max(r["errs"]) < 1e-12, list(zip(r["modes"], r["errs"]))
+
+
+def test_find_unused_parameters_leaves_unused_gradients_none_as_torch_ddp(runs):
+    heads = ["head_b.bias", "head_b.weight", "head_c.bias", "head_c.weight"]
+    for r in result(runs, "unused"):
+        assert r["none"] == [heads, heads[2:], heads[2:], heads[2:]], r["none"]
+        assert len(r["errs"]) == 4 and max(r["errs"]) < 1e-12, r["errs"]
+        assert r["plain_zero"]
+        assert len(r["warnings"]) == 1, r["warnings"]
+        assert ("parameter(s) ('head_b.weight', 'head_b.bias', 'head_c.weight', ...) got no "
+                "gradient in this backward on rank") in r["warnings"][0], r["warnings"]
+        assert "Pass find_unused_parameters=True (as torch DDP needs here)" in r["warnings"][0]
 
 
 def test_second_backward_through_the_same_graph_is_averaged_too(runs):

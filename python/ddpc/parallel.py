@@ -316,7 +316,8 @@ class DistributedModel(torch.nn.Module):
     the wrapped module's own keys."""
 
     def __init__(self, module: torch.nn.Module, bucket_cap_bytes: int, broadcast_buffers: bool,
-                 grad_dtype: Optional[torch.dtype], group: Any) -> None:
+                 grad_dtype: Optional[torch.dtype], group: Any,
+                 find_unused_parameters: bool = False) -> None:
         super().__init__()
         self._fwd_stream = 0
         self._host_ns = {"forward": 0, "end_of_backward": 0, "steps": 0}  # host_times()
@@ -328,6 +329,11 @@ class DistributedModel(torch.nn.Module):
         self._broadcast_buffers = broadcast_buffers
         self._grad_dtype = grad_dtype
         self._comm_hook: Optional[str] = None  # register_comm_hook's, by name
+        # torch DDP's flag: a parameter no rank used in a step keeps grad None (one more small
+        # all-reduce per step); without it, such a parameter gets a zero gradient
+        self._find_unused = find_unused_parameters
+        self._none_at_forward: set = set()  # (only with it) gradients None as the step began
+        self._warned_unused = False
         self._default_cap = False  # set by wrap_model when bucket_cap_mb was None
         self._join: Optional[_JoinState] = None  # inside join()
         self._require_sync = True
@@ -344,6 +350,7 @@ class DistributedModel(torch.nn.Module):
                 ("bucket_cap_mb", f"{bucket_cap_bytes / (1 << 20):.12g}"),  # (to the byte)
                 ("grad_dtype", str(grad_dtype).replace("torch.", "")),
                 ("broadcast_buffers", str(broadcast_buffers)),
+                ("find_unused_parameters", str(find_unused_parameters)),
                 ("DDPC_TAIL_BUCKET_MB", _env_number("DDPC_TAIL_BUCKET_MB")),
                 ("DDPC_NCCL_WINDOW_MB", _env_number("DDPC_NCCL_WINDOW_MB")),
                 # (both decide how many collectives the last bucket takes with overlap)
@@ -788,6 +795,8 @@ class DistributedModel(torch.nn.Module):
         slow, released = _C.scan_grads(self._params, self._views, self._bucket_of,
                                        len(self._members))
         if not slow:
+            if self._find_unused:
+                self._none_at_forward = {i for b in released for i in self._members[b]}
             for b in released:
                 self._release_bucket(b)
             return
@@ -807,6 +816,8 @@ class DistributedModel(torch.nn.Module):
                 view.copy_(g)
             p.grad = view
         g = view = None  # no reference of the loop may keep a bucket from being parked
+        if self._find_unused:
+            self._none_at_forward = {i for idx in nones.values() for i in idx}
         for b, idx in nones.items():
             if len(idx) == len(self._members[b]):
                 self._release_bucket(b)
@@ -867,6 +878,11 @@ class DistributedModel(torch.nn.Module):
         unready = reducer.unready()
         if self._rebuild_pending:
             self._unready_at_end = set(unready)
+        routed = {r.index for r in self._routes}  # (their gradients come as rows, after this)
+        # Unused this step: no gradient arrived, and none was there when the step's forward
+        # began (a gradient accumulated under no_sync counts as a use, as in torch DDP).
+        unused = [i for i in unready if i not in routed and (
+            i in self._none_at_forward if self._find_unused else self._params[i].grad is None)]
         for b in sorted({self._bucket_of[i] for i in unready}):
             if self._buckets[b] is None or self._parked[b]:
                 # Some gradients of this bucket never arrived on this rank, but every rank
@@ -892,6 +908,19 @@ class DistributedModel(torch.nn.Module):
             # (in the order of the forward's lookups: the same on every rank)
             _rows.exchange(self._calls, self._params, self._group, self._rows_store,
                            self._rows_prefix, self._grad_dtype, stream)
+        if self._find_unused:
+            self._drop_unused_everywhere(unused)
+        elif unused and not self._warned_unused and self._join is None:
+            self._warned_unused = True
+            names = ", ".join(f"'{self._names[i]}'" for i in unused[:3])
+            more = ", ..." if len(unused) > 3 else ""
+            warnings.warn(
+                f"wrap_model: {len(unused)} parameter(s) ({names}{more}) "
+                f"got no gradient in this backward on rank {self._group.rank}: ddpc gave them a "
+                f"zero gradient, so an optimizer with momentum or weight decay still moves them. "
+                f"Pass find_unused_parameters=True (as torch DDP needs here) to leave the "
+                f"gradient of a parameter that no rank used as None; freeze parameters before "
+                f"wrap_model, not after", RuntimeWarning, stacklevel=2)
         self._drop_wires()
         j = self._join
         if j is not None and j.counts is not None:
@@ -904,6 +933,22 @@ class DistributedModel(torch.nn.Module):
         if self._rebuild_pending:
             self._rebuild_pending = False
             self._plan_layout_from_observed_order()
+
+    def _drop_unused_everywhere(self, unused: List[int]) -> None:
+        """find_unused_parameters=True: the parameters that no rank used this step get grad None
+        again (their zeros were reduced with the rest), as torch DDP leaves them, so optimizers
+        skip them. Every rank takes part in the flags' all-reduce; only a rank with unused
+        parameters of its own reads the result (on GPU, a wait for the step's collectives)."""
+        flags = torch.zeros(len(self._params), dtype=torch.uint8, device=self._device)
+        if unused:
+            flags[torch.tensor(unused, dtype=torch.int64, device=self._device)] = 1
+        if self._world > 1:
+            dist.all_reduce(flags, op="min", group=self._group)
+        if not unused:
+            return  # (an unused-everywhere parameter is unused here too)
+        everywhere = flags.nonzero().flatten().tolist()
+        for i in everywhere:
+            self._params[i].grad = None
 
     def _plan_layout_from_observed_order(self) -> None:
         """After the first synced step: buckets in rank 0's gradient-ready order; parameters
@@ -1337,8 +1382,8 @@ def _check_ddp_keywords(device_ids: Any, output_device: Any, dim: int,
                         flags: Dict[str, Any]) -> None:
     """torch DDP's keywords that wrap_model accepts for a drop-in switch: the devices must be this
     rank's own (ddpc binds each rank to its GPU), dim must be 0, and the flags must be bools.
-    find_unused_parameters, gradient_as_bucket_view and static_graph change nothing: ddpc always
-    handles unused parameters, keeps gradients in the buckets, and learns the order itself."""
+    gradient_as_bucket_view and static_graph change nothing: ddpc keeps gradients in the buckets
+    and learns the order itself (find_unused_parameters is wrap_model's)."""
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"wrap_model: {name} must be a bool, got {type(value).__name__}")
@@ -1425,14 +1470,16 @@ def wrap_model(module: torch.nn.Module, *, bucket_cap_mb: Optional[float] = None
     After backward, each param.grad is a view into a bucket. Buckets whose gradients are all None
     at a forward (zero_grad(set_to_none=True)) are freed until backward needs them, so peak memory
     stays close to single-process training; with set_to_none=False they persist. Parameters
-    unused in a step (on some or all ranks) get a gradient of zero from the ranks that did not
-    use them. Use model.no_sync() for gradient
+    unused in a step on some ranks get a gradient of zero from those ranks. A parameter that no
+    rank used keeps grad None with find_unused_parameters=True (as torch DDP; one more small
+    all-reduce per step); without it, it gets a zero gradient (a warning says so once), which
+    an optimizer with momentum or weight decay still applies. Use model.no_sync() for gradient
     accumulation, ddpc.unwrap(model) for the original module.
 
     torch DDP's keywords are accepted, so `DistributedDataParallel(model, device_ids=[rank])`
     carries over (ddpc.DistributedDataParallel is this function): device_ids and output_device
-    must name this rank's device, process_group is `group`, and find_unused_parameters,
-    gradient_as_bucket_view, static_graph and check_reduction change nothing (see above).
+    must name this rank's device, process_group is `group`, find_unused_parameters is as above,
+    and gradient_as_bucket_view, static_graph and check_reduction change nothing.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"wrap_model: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -1469,7 +1516,7 @@ def wrap_model(module: torch.nn.Module, *, bucket_cap_mb: Optional[float] = None
     if default_cap:
         bucket_cap_mb = default_bucket_cap_mb(g, grad_dtype)
     model = DistributedModel(module, int(bucket_cap_mb * (1 << 20)), broadcast_buffers,
-                             grad_dtype, g)
+                             grad_dtype, g, find_unused_parameters)
     model._default_cap = default_cap  # (register_comm_hook picks the default for its dtype)
     return model
 
