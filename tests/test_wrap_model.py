@@ -282,6 +282,40 @@ def sc_unused(rank):
     return out
 
 
+def sc_buffer_rule(rank):
+    """Buffers are broadcast from rank 0 before a forward when the forward before it ran with
+    autograd on outside no_sync (and before the first), as torch DDP decides it: so the first
+    evaluation forward after training sees rank 0's BatchNorm statistics on every rank."""
+    import ddpc
+
+    class Buf(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 3)
+            self.register_buffer("b", torch.zeros(2))
+
+        def forward(self, x):
+            return self.lin(x)
+
+    model = Buf().double()
+    wrapped = ddpc.wrap_model(model)
+    x, _ = batch(400)
+    seen = []
+    for step, mode in enumerate(["grad", "no_grad", "no_grad", "grad", "no_sync", "grad",
+                                 "no_grad"]):
+        model.b.fill_(10.0 * rank + step)
+        if mode == "no_grad":
+            with torch.no_grad():
+                wrapped(x)
+        elif mode == "no_sync":
+            with wrapped.no_sync():
+                wrapped(x).sum().backward()
+        else:
+            wrapped(x).sum().backward()
+        seen.append(model.b[0].item() == step)  # rank 0's value: broadcast before this forward
+    return {"synced": seen}
+
+
 def sc_fresh_slots(rank):
     """After zero_grad(set_to_none=True) a bucket gets uninitialized memory at its first
     gradient (each gradient is copied into its slot). With memory that held NaN just before,
@@ -1002,6 +1036,7 @@ SCENARIOS = [
     ("failed_backward", sc_failed_backward),
     ("fresh_slots", sc_fresh_slots),
     ("unused", sc_unused),
+    ("buffer_rule", sc_buffer_rule),
     ("host_times", sc_host_times),
     ("stream_switch", sc_stream_switch),
     ("comm_hook", sc_comm_hook),
@@ -1098,6 +1133,12 @@ def test_find_unused_parameters_leaves_unused_gradients_none_as_torch_ddp(runs):
         assert ("parameter(s) ('head_b.weight', 'head_b.bias', 'head_c.weight', ...) got no "
                 "gradient in this backward on rank") in r["warnings"][0], r["warnings"]
         assert "Pass find_unused_parameters=True (as torch DDP needs here)" in r["warnings"][0]
+
+
+def test_buffers_are_broadcast_when_torch_ddp_would(runs):
+    r0, r1 = result(runs, "buffer_rule")
+    assert all(r0["synced"]), r0
+    assert r1["synced"] == [True, True, False, False, True, False, True], r1
 
 
 def test_second_backward_through_the_same_graph_is_averaged_too(runs):

@@ -342,6 +342,10 @@ class DistributedModel(torch.nn.Module):
         self._synced_forward = False   # the last forward with autograd on was outside no_sync
         self._rebuild_pending = True   # the first synced step observes the gradient order
         self._layout_stale = False     # _order / _late changed since the buckets were built
+        # torch DDP's rule for buffers: a forward broadcasts rank 0's when the forward before it
+        # ran with autograd on and outside no_sync (so also the first eval forward after
+        # training: BatchNorm statistics agree), and the first forward does
+        self._sync_buffers_next = True
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
@@ -993,6 +997,18 @@ class DistributedModel(torch.nn.Module):
                         out.append(b)
         return out
 
+    def _sync_buffers(self) -> None:
+        """Broadcasts rank 0's buffers when torch DDP would at this forward (see
+        _sync_buffers_next)."""
+        if not (self._sync_buffers_next and self._broadcast_buffers and self._world > 1):
+            return
+        buffers = self._current_buffers()
+        if buffers:
+            # The previous step's handles go only now, when their collectives are long done:
+            # dropping a running one would make the host wait for the GPU.
+            with _on(self._device):
+                self._buffer_works = _broadcast_flat(buffers, self._group, self._device)
+
     def _attach_sink(self, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
             # The usual output (a loss, logits): no pytree walk, which costs more host time
@@ -1010,10 +1026,12 @@ class DistributedModel(torch.nn.Module):
         return pytree.tree_unflatten(leaves, spec)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Runs the wrapped module. When autograd is on: broadcasts buffers from rank 0
-        (broadcast_buffers=True), points every param.grad at its bucket (or frees buckets whose
-        gradients are all None), and, outside no_sync(), arms the reducer so the next backward
-        averages gradients across ranks."""
+        """Runs the wrapped module. Broadcasts buffers from rank 0 (broadcast_buffers=True) when
+        the forward before this one ran with autograd on outside no_sync(), as torch DDP: also
+        an evaluation forward after training, so every rank must run it. When autograd is on,
+        points every param.grad at its bucket (or frees buckets whose gradients are all None)
+        and, outside no_sync(), arms the reducer so the next backward averages gradients across
+        ranks."""
         t0 = time.perf_counter_ns()
         grad_on = torch.is_grad_enabled()
         if grad_on:
@@ -1027,13 +1045,7 @@ class DistributedModel(torch.nn.Module):
                 self._build_buckets()
             if self._join is not None:
                 self._join_notify()
-            if self._broadcast_buffers and self._world > 1:
-                buffers = self._current_buffers()
-                if buffers:
-                    # The previous step's handles go only now, when their collectives are long
-                    # done: dropping a running one would make the host wait for the GPU.
-                    with _on(self._device):
-                        self._buffer_works = _broadcast_flat(buffers, self._group, self._device)
+            self._sync_buffers()
             self._synced_forward = self._require_sync
             self._grad_hooks.fast = False
             if self._require_sync:
@@ -1050,6 +1062,11 @@ class DistributedModel(torch.nn.Module):
                     self._active = False
                     self._reducer.prepare()
                 self._attach_grads()
+        elif self._join is None and not self._group.destroyed:
+            # (inside join(), only forwards with autograd on communicate; after
+            # destroy_process_group, an evaluation runs on its own)
+            self._sync_buffers()
+        self._sync_buffers_next = grad_on and self._require_sync
         t1 = time.perf_counter_ns()
         routing = grad_on and self._require_sync and bool(self._routes)
         if routing:
@@ -1235,10 +1252,8 @@ class DistributedModel(torch.nn.Module):
         and backward communicate, this rank's gradients being zeros."""
         if self._layout_stale:
             self._build_buckets()
-        if self._broadcast_buffers and self._world > 1:
-            buffers = self._current_buffers()
-            if buffers:
-                self._buffer_works = _broadcast_flat(buffers, self._group, self._device)
+        self._sync_buffers()
+        self._sync_buffers_next = synced
         if not synced:
             return
         if self._routes:
@@ -1461,9 +1476,11 @@ def wrap_model(module: torch.nn.Module, *, bucket_cap_mb: Optional[float] = None
     directly (NVLink or PCIe P2P; fewer, larger buckets measured faster over NVLink), 200 there
     with a 16-bit grad_dtype (the same 100 MiB per collective), else 25 (torch DDP's default);
     ddpc.parallel.default_bucket_cap_mb(group, grad_dtype) says which.
-    broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank at each
-    forward that runs with autograd on (those of the submodules the module had when wrapped,
-    including buffers registered or replaced since, as torch DDP).
+    broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before a
+    forward when the forward before it ran with autograd on, outside no_sync() (so also before
+    the first evaluation forward after training: run it on every rank, or evaluate
+    ddpc.unwrap(model) on one), as torch DDP; those of the submodules the module had when
+    wrapped, including buffers registered or replaced since.
     grad_dtype: torch.bfloat16 or torch.float16 to reduce gradients in that dtype (half the
     traffic of float32; gradients are cast back afterwards); None reduces in the parameters' dtype.
 
