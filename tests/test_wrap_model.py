@@ -9,6 +9,7 @@ results, so a broken feature fails its own test.
 """
 import contextlib
 import copy
+import io
 import os
 import re
 import subprocess
@@ -314,6 +315,38 @@ def sc_buffer_rule(rank):
             wrapped(x).sum().backward()
         seen.append(model.b[0].item() == step)  # rank 0's value: broadcast before this forward
     return {"synced": seen}
+
+
+def sc_compile(rank):
+    """torch.compile of the wrapped model: the module's forward is compiled (one graph), the
+    wrapper's work runs around it, and gradients are averaged as without compile (the sink's
+    backward used to call the model itself, with no inputs). Also the copies: deepcopy and
+    pickling say to copy the unwrapped module."""
+    import pickle
+    from torch._dynamo.utils import counters
+    import ddpc
+    model = make(MLP, rank, torch.float64)
+    wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL)
+    compiled = torch.compile(wrapped, backend="aot_eager")
+    counters.clear()
+    errs = []
+    for step in range(3):
+        x, y = batch(500 + step)
+        expected = [sum(g) / WORLD for g in zip(*[
+            local_grads(model, lambda m, r=r: mse(m(shard(x, r)), shard(y, r)))
+            for r in range(WORLD)])]
+        model.zero_grad(set_to_none=True)
+        mse(compiled(shard(x, rank)), shard(y, rank)).backward()
+        errs.append(max((p.grad - e).abs().max().item()
+                        for p, e in zip(model.parameters(), expected)))
+    out = {"errs": errs, "graphs": counters["stats"]["unique_graphs"], "copies": []}
+    for copier in (copy.deepcopy, pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+        try:
+            copier(wrapped)
+            out["copies"].append(None)
+        except TypeError as e:
+            out["copies"].append(str(e))
+    return out
 
 
 def sc_fresh_slots(rank):
@@ -1037,6 +1070,7 @@ SCENARIOS = [
     ("fresh_slots", sc_fresh_slots),
     ("unused", sc_unused),
     ("buffer_rule", sc_buffer_rule),
+    ("compile", sc_compile),
     ("host_times", sc_host_times),
     ("stream_switch", sc_stream_switch),
     ("comm_hook", sc_comm_hook),
@@ -1133,6 +1167,17 @@ def test_find_unused_parameters_leaves_unused_gradients_none_as_torch_ddp(runs):
         assert ("parameter(s) ('head_b.weight', 'head_b.bias', 'head_c.weight', ...) got no "
                 "gradient in this backward on rank") in r["warnings"][0], r["warnings"]
         assert "Pass find_unused_parameters=True (as torch DDP needs here)" in r["warnings"][0]
+
+
+def test_torch_compile_of_the_wrapped_model_and_copies(runs):
+    for r in result(runs, "compile"):
+        assert len(r["errs"]) == 3 and max(r["errs"]) < 1e-12, r["errs"]
+        assert r["graphs"] >= 1, r
+        deep, pickled, saved = r["copies"]
+        assert deep.startswith("copy.deepcopy of a ddpc-wrapped model: copy "
+                               "ddpc.unwrap(model) instead"), deep
+        assert pickled.startswith("a ddpc-wrapped model cannot be pickled"), pickled
+        assert saved == pickled
 
 
 def test_buffers_are_broadcast_when_torch_ddp_would(runs):

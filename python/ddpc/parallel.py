@@ -294,7 +294,9 @@ class _Sink(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Any, ...]:
-        model = ctx.owner()
+        owner = ctx.owner
+        # (torch.compile of the wrapper hands the module itself over instead of the weakref)
+        model = owner() if isinstance(owner, weakref.ref) else owner
         if model is not None:
             model._queue_finalize(rearm=True)
         return (None,) + grads
@@ -1031,7 +1033,18 @@ class DistributedModel(torch.nn.Module):
         an evaluation forward after training, so every rank must run it. When autograd is on,
         points every param.grad at its bucket (or frees buckets whose gradients are all None)
         and, outside no_sync(), arms the reducer so the next backward averages gradients across
-        ranks."""
+        ranks. Under torch.compile(model) only the module's own forward is traced: the
+        wrapper's work around it runs as it does without compile."""
+        grad_on = self._before_forward()
+        try:
+            output = self.module(*inputs, **kwargs)
+        finally:
+            self._routing = False
+        return self._after_forward(output, grad_on)
+
+    @torch.compiler.disable
+    def _before_forward(self) -> bool:
+        """forward's work before the module's forward; returns whether autograd is on."""
         t0 = time.perf_counter_ns()
         grad_on = torch.is_grad_enabled()
         if grad_on:
@@ -1067,20 +1080,19 @@ class DistributedModel(torch.nn.Module):
             # destroy_process_group, an evaluation runs on its own)
             self._sync_buffers()
         self._sync_buffers_next = grad_on and self._require_sync
-        t1 = time.perf_counter_ns()
-        routing = grad_on and self._require_sync and bool(self._routes)
-        if routing:
+        if grad_on and self._require_sync and self._routes:
             self._rows_step += 1
             self._calls[:] = _rows.prune(self._calls, self._rows_step)
             self._routing = True
-        try:
-            output = self.module(*inputs, **kwargs)
-        finally:
-            self._routing = False
+        self._host_ns["forward"] += time.perf_counter_ns() - t0
+        return grad_on
+
+    @torch.compiler.disable
+    def _after_forward(self, output: Any, grad_on: bool) -> Any:
         t2 = time.perf_counter_ns()
         if grad_on and self._require_sync:
             output = self._attach_sink(output)
-        self._host_ns["forward"] += t1 - t0 + time.perf_counter_ns() - t2
+        self._host_ns["forward"] += time.perf_counter_ns() - t2
         return output
 
     def host_times(self, reset: bool = True) -> Dict[str, float]:
@@ -1282,6 +1294,19 @@ class DistributedModel(torch.nn.Module):
         self._require_sync = value
 
     # ------------------------------------------------------------------ module protocol
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Any:
+        raise TypeError(
+            "copy.deepcopy of a ddpc-wrapped model: copy ddpc.unwrap(model) instead (an EMA or "
+            "evaluation copy, e.g. torch.optim.swa_utils.AveragedModel(ddpc.unwrap(model)), "
+            "needs no communication); to train the copy data-parallel, wrap_model it on every "
+            "rank")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a ddpc-wrapped model cannot be pickled (it holds a process group and gradient "
+            "buckets): save ddpc.unwrap(model).state_dict() (or pickle / torch.save "
+            "ddpc.unwrap(model)); model.state_dict() has the same keys")
 
     def __getattr__(self, name: str) -> Any:
         try:
