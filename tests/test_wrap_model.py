@@ -349,6 +349,39 @@ def sc_compile(rank):
     return out
 
 
+def sc_changed_after_wrap(rank):
+    """The module inside converted after the wrap (ddpc.unwrap(model).double()): the buckets are
+    rebuilt as for the wrapper's own .double() (the end of backward used to fail inside torch).
+    A parameter replaced after the wrap is named (its new gradient was silently not averaged)."""
+    import ddpc
+    model = make(MLP, rank, torch.float32)
+    wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL)
+    x, y = batch(600)
+    mse(wrapped(shard(x, rank).float()), shard(y, rank).float()).backward()
+    model.double()
+    errs = []
+    for step in range(2):
+        x, y = batch(601 + step)
+        expected = [sum(g) / WORLD for g in zip(*[
+            local_grads(model, lambda m, r=r: mse(m(shard(x, r)), shard(y, r)))
+            for r in range(WORLD)])]
+        model.zero_grad(set_to_none=True)
+        mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+        errs.append(max((p.grad - e).abs().max().item()
+                        for p, e in zip(model.parameters(), expected)))
+    dtypes = sorted({str(p.grad.dtype) for p in model.parameters()})
+    first = next(n for n, _ in model.named_parameters())
+    mod_name, attr = first.rsplit(".", 1)
+    owner = model.get_submodule(mod_name)
+    setattr(owner, attr, torch.nn.Parameter(getattr(owner, attr).detach().clone()))
+    try:
+        mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+        replaced = None
+    except RuntimeError as e:
+        replaced = str(e)
+    return {"errs": errs, "dtypes": dtypes, "replaced": replaced, "first": first}
+
+
 def sc_fresh_slots(rank):
     """After zero_grad(set_to_none=True) a bucket gets uninitialized memory at its first
     gradient (each gradient is copied into its slot). With memory that held NaN just before,
@@ -1071,6 +1104,7 @@ SCENARIOS = [
     ("unused", sc_unused),
     ("buffer_rule", sc_buffer_rule),
     ("compile", sc_compile),
+    ("changed_after_wrap", sc_changed_after_wrap),
     ("host_times", sc_host_times),
     ("stream_switch", sc_stream_switch),
     ("comm_hook", sc_comm_hook),
@@ -1178,6 +1212,15 @@ def test_torch_compile_of_the_wrapped_model_and_copies(runs):
                                "ddpc.unwrap(model) instead"), deep
         assert pickled.startswith("a ddpc-wrapped model cannot be pickled"), pickled
         assert saved == pickled
+
+
+def test_a_module_changed_inside_the_wrapper(runs):
+    for r in result(runs, "changed_after_wrap"):
+        assert len(r["errs"]) == 2 and max(r["errs"]) < 1e-12, r["errs"]
+        assert r["dtypes"] == ["torch.float64"], r
+        assert r["replaced"] is not None and r["replaced"].startswith(
+            f"parameter(s) '{r['first']}' of the wrapped module were replaced after wrap_model "
+            f"(e.g. module.weight = nn.Parameter(...)): ddpc still reduces the old ones"), r
 
 
 def test_buffers_are_broadcast_when_torch_ddp_would(runs):

@@ -523,6 +523,9 @@ class DistributedModel(torch.nn.Module):
         self._reducer, self._bucket_specs, self._wire_dtypes = reducer, specs, wires
         self._wires = [None] * len(specs)
         self._offsets, self._bucket_of, self._members = offsets, bucket_of, members
+        # (each bucket's first parameter, as built: a forward checks that it was not converted)
+        self._bucket_kinds = [(params[m[0]], params[m[0]].dtype, params[m[0]].device)
+                              for m in members if m]
         self._buckets = [None] * len(specs)
         self._place_windows(reducer, specs, wires)
         self._parked = [False] * len(specs)
@@ -914,6 +917,9 @@ class DistributedModel(torch.nn.Module):
             # (in the order of the forward's lookups: the same on every rank)
             _rows.exchange(self._calls, self._params, self._group, self._rows_store,
                            self._rows_prefix, self._grad_dtype, stream)
+        dense_unready = [i for i in unready if i not in routed]
+        if dense_unready:
+            self._check_not_replaced(dense_unready)
         if self._find_unused:
             self._drop_unused_everywhere(unused)
         elif unused and not self._warned_unused and self._join is None:
@@ -939,6 +945,19 @@ class DistributedModel(torch.nn.Module):
         if self._rebuild_pending:
             self._rebuild_pending = False
             self._plan_layout_from_observed_order()
+
+    def _check_not_replaced(self, unready: List[int]) -> None:
+        """A parameter that got no gradient may have been replaced in the module since the wrap
+        (module.weight = nn.Parameter(...)): the new one's gradient would never be averaged."""
+        current = {id(p) for p in self.module.parameters()}
+        gone = [self._names[i] for i in unready if id(self._params[i]) not in current]
+        if gone:
+            raise RuntimeError(
+                f"parameter(s) {', '.join(repr(n) for n in gone[:3])} of the wrapped module were "
+                f"replaced after wrap_model (e.g. module.weight = nn.Parameter(...)): ddpc still "
+                f"reduces the old ones, so the new ones' gradients are not averaged. Change "
+                f"parameters in place (with torch.no_grad(): p.copy_(...)), or wrap again on "
+                f"every rank: model = ddpc.wrap_model(ddpc.unwrap(model))")
 
     def _drop_unused_everywhere(self, unused: List[int]) -> None:
         """find_unused_parameters=True: the parameters that no rank used this step get grad None
@@ -1054,6 +1073,12 @@ class DistributedModel(torch.nn.Module):
                     "it data-parallel again, call ddpc.init_process_group() and wrap it anew "
                     "(ddpc.wrap_model(ddpc.unwrap(model))); to run it alone, use "
                     "ddpc.unwrap(model)")
+            for p, dtype, device in self._bucket_kinds:
+                if p.dtype is not dtype or p.device != device:
+                    # The module inside was converted or moved (ddpc.unwrap(model).half()), not
+                    # the wrapper: rebuild as the wrapper's own .half() / .to() does.
+                    self._rebuild_after_conversion()
+                    break
             if self._layout_stale:
                 self._build_buckets()
             if self._join is not None:
@@ -1337,12 +1362,19 @@ class DistributedModel(torch.nn.Module):
             # .to()/.half() moved parameters or their gradients out of the buckets, or
             # .to(memory_format=...) / share_memory() gave the gradients (bucket views, changed
             # in place through .data) other memory than the reducer's: start over.
-            problem = self._check_params()
-            if problem is not None:
-                raise problem
-            self._build_buckets()
-            self._is_cuda = [p.device.type == "cuda" for p in self._params]
+            self._rebuild_after_conversion()
         return result
+
+    def _rebuild_after_conversion(self) -> None:
+        problem = self._check_params()
+        if problem is not None:
+            raise problem
+        for p in self._params:
+            g = p.grad
+            if g is not None and (g.dtype != p.dtype or g.device != p.device):
+                p.grad = g.to(dtype=p.dtype, device=p.device)  # (what autograd would refuse)
+        self._build_buckets()
+        self._is_cuda = [p.device.type == "cuda" for p in self._params]
 
     def _slots_moved(self) -> bool:
         """Does some gradient, or some bucket view, no longer lie where the reducer reads?"""
