@@ -13,6 +13,7 @@ import io
 import os
 import re
 import subprocess
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -1504,6 +1505,25 @@ def test_a_sparse_gradient_is_named(world_one):
             "parameter 'weight' got a gradient of layout torch.sparse_coo: ddpc reduces dense "
             "gradients only")):
         wrapped(torch.tensor([0, 3])).sum().backward()
+
+
+def test_a_torch_ddp_checkpoint_loads(world_one):
+    """torch DDP's state_dict keys start with "module."; ddpc's are the module's own. A DDP
+    checkpoint loads into a wrapped model (with its metadata, so BatchNorm's version check
+    still runs); a key that is really missing is still an error."""
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    ddp_style = OrderedDict(("module." + k, v) for k, v in src.state_dict().items())
+    ddp_style._metadata = OrderedDict(
+        ("module" + ("." + k if k else ""), v) for k, v in src.state_dict()._metadata.items())
+    wrapped = world_one.wrap_model(torch.nn.Sequential(torch.nn.Linear(3, 4),
+                                                       torch.nn.BatchNorm1d(4)))
+    wrapped.load_state_dict(ddp_style)
+    for k, v in src.state_dict().items():
+        assert torch.equal(wrapped.state_dict()[k], v), k
+    del ddp_style["module.0.bias"]
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "0.bias"'):
+        wrapped.load_state_dict(ddp_style)
 
 
 def test_a_model_whose_group_was_destroyed_says_so(world_one):

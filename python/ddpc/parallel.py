@@ -21,6 +21,8 @@ import sys
 import time
 import warnings
 import weakref
+from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -1347,11 +1349,23 @@ class DistributedModel(torch.nn.Module):
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Loads into the wrapped module (keys as its own state_dict gives them)."""
+        """Loads into the wrapped module (keys as its own state_dict gives them). A checkpoint
+        saved from torch DDP (every key starting with "module.") loads too: the prefix is
+        dropped."""
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the parameters the "
                              "reducer tracks: load with assign=False, or load into the module "
                              "before wrap_model")
+        if isinstance(state_dict, Mapping) and state_dict and \
+                all(isinstance(k, str) and k.startswith("module.") for k in state_dict) and \
+                not any(k.startswith("module.") for k in self.module.state_dict()):
+            stripped: Any = OrderedDict((k[len("module."):], v) for k, v in state_dict.items())
+            meta = getattr(state_dict, "_metadata", None)
+            if meta is not None:
+                stripped._metadata = OrderedDict(
+                    (k[len("module."):] if k.startswith("module.") else
+                     "" if k == "module" else k, v) for k, v in meta.items())
+            state_dict = stripped
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
