@@ -440,8 +440,18 @@ def test_gpu_selection_through_nvidia_smi(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--nproc-per-node", "0", "ok.py"], "argument --nproc-per-node"),
-    (["--nproc-per-node", "two", "ok.py"], "expected a positive integer or 'auto'"),
+    (["--nproc-per-node", "two", "ok.py"], "expected a positive integer up to 65536 or 'auto'"),
+    (["--nproc-per-node", str(10 ** 12), "ok.py"], "up to 65536 or 'auto', got '1000000000000'"),
+    (["--nnodes", "3000000000", "--node-rank", "0", "--nproc-per-node", "1", "ok.py"],
+     "--nnodes 3000000000 times --nproc-per-node 1 is 3000000000 ranks; a job has at most"),
+    (["--nnodes", "3000000000", "--node-rank", "0", "ok.py"],
+     "argument --nnodes: 3000000000 nodes; a job has at most 2147483647"),
+    (["--no-python", "ok.py"], "argument --no-python: torchrun's flag is not supported: "
+                               "ddpc.launch runs Python scripts and modules only"),
+    (["-r", "3", "ok.py"], "argument --redirects: torchrun's flag is not supported: use --log-dir"),
+    (["--rdzv_conf", "a=1", "ok.py"], "argument --rdzv-conf: torchrun's flag is not supported"),
     (["missing.py"], "'missing.py' not found"),
+    (["."], "'.' is a directory without __main__.py"),
     (["-m", "no_such_module_xyz"], "no module named 'no_such_module_xyz'"),
     (["--gpus", "1,1", "ok.py"], "argument --gpus: GPU indices must be distinct"),
     (["--gpus", "0", "--nproc-per-node", "2", "ok.py"], "lists 1 GPU(s) but --nproc-per-node"),
@@ -651,3 +661,115 @@ def test_log_dir_keeps_each_rank_and_attempt(tmp_path):
                              tmp_path)
     assert rc == 1 and "[rank0]: out of rank 0, attempt 0" in out
     assert "cannot write blocked/attempt_0/rank0/stdout.log" in err
+
+
+# Rank 2 never joins. Rank 0 times out (2 s) and stops serving the store, so rank 1 (which would
+# wait 20 s) gets a PeerError for the lost connection and exits first, while rank 0 is still
+# exiting (a slow teardown, as with a large CUDA context).
+HANG_CAUSE_SCRIPT = """
+    import atexit, os, time
+    import ddpc
+    rank = int(os.environ["RANK"])
+    if rank == 2:
+        time.sleep(60)  # the stuck rank
+    if rank == 0:
+        atexit.register(time.sleep, float(os.environ["EXIT_DELAY"]))
+    ddpc.init_process_group(backend="cpu", timeout=2 if rank == 0 else 20)
+"""
+
+
+@pytest.mark.parametrize("delay", ["0.4", "2"], ids=["exits-soon", "exits-slowly"])
+def test_a_hang_is_blamed_on_the_timeout_not_on_its_consequence(tmp_path, delay):
+    """The timeout is the headline (not the PeerError that followed it), the stuck rank's stack
+    is collected, and a rank that is exiting after its error is never sent the stack signal."""
+    write(tmp_path, "hang3.py", HANG_CAUSE_SCRIPT)
+    rc, _, err, elapsed = launch(["--nproc-per-node", "3", "hang3.py"], tmp_path,
+                                 env=launcher_env(EXIT_DELAY=delay))
+    assert rc == 1, err
+    assert elapsed < 20
+    summary = err[err.index("failed first"):]
+    head = err[err.rindex("\n", 0, err.index("failed first")) + 1:].split("\n")[:2]
+    assert head[0].startswith("ddpc.launch: rank 0 (local rank 0"), summary
+    assert "rank 0 raised ddpc.DistributedTimeoutError" in head[1], summary
+    other = summary[summary.index("other ranks:"):]
+    assert "rank 1: exit code 1 after raising ddpc.PeerError" in other, other
+    assert "SIGUSR1" not in err
+    assert other.count("where its threads were when asked") == 1, other
+    assert re.search(r'File ".*hang3\.py", line 6 in <module>', other), other
+
+
+def test_torchrun_pet_environment_variables(tmp_path):
+    """torchrun's PET_* variables (as Kubeflow's PyTorchJob sets them) configure the nodes; a
+    flag on the command line wins over its variable."""
+    write(tmp_path, "show_env.py", ENV_SCRIPT)
+    port = free_port()
+    pet = dict(DDPC_TOKEN="0123456789abcdef", PET_NNODES="2", PET_MASTER_ADDR="127.0.0.1",
+               PET_MASTER_PORT=str(port), PET_NPROC_PER_NODE="1")
+    procs = [start([sys.executable, "-m", "ddpc.launch"] + flags + ["show_env.py"],
+                   launcher_env(**{**pet, "PET_NODE_RANK": str(node), **extra}), cwd=tmp_path)
+             for node, flags, extra in ((0, [], {}),
+                                        (1, ["--nproc-per-node", "1"],
+                                         {"PET_NPROC_PER_NODE": "3"}))]
+    reports = {}
+    for rc, out, err in finish_all(procs, 40):
+        assert rc == 0, err
+        assert "PET_NNODES=2 is set: using it as --nnodes" in err
+        reports.update(env_reports(out))
+    assert sorted(reports) == [0, 1]
+    for r, info in reports.items():
+        assert info["GROUP_RANK"] == str(r) and info["WORLD_SIZE"] == "2"
+        assert info["MASTER_PORT"] == str(port)
+    rc, _, err, _ = launch(["show_env.py"], tmp_path, env=launcher_env(PET_NNODES="two"))
+    assert rc == 2 and "PET_NNODES='two' (torchrun's environment form of --nnodes)" in err
+
+
+def test_an_exception_whose_str_raises_is_still_reported(tmp_path):
+    write(tmp_path, "badstr.py", """
+        class ConfigError(Exception):
+            def __str__(self):
+                return "bad config: " + {}["name"]  # a bug in the user's __str__
+        raise ConfigError()
+    """)
+    rc, _, err, _ = launch(["badstr.py"], tmp_path)
+    assert rc == 1
+    summary = err[err.index("failed first"):]
+    assert "rank 0 raised __main__.ConfigError: <exception str() failed>" in summary, err
+    assert 'badstr.py", line 5, in <module>' in summary
+    assert "ddpc/_worker.py" not in err
+
+
+def test_a_rank_that_cannot_be_started_is_named(tmp_path):
+    """Too many open files while starting the ranks: which rank, why, what to do; the ranks
+    already started are stopped."""
+    import resource
+    write(tmp_path, "sleeper.py", "import os, time; print('PID', os.getpid(), flush=True); "
+                                  "time.sleep(30)\n")
+    res = subprocess.run([sys.executable, "-m", "ddpc.launch", "--nproc-per-node", "8",
+                          "sleeper.py"], cwd=tmp_path, env=launcher_env(), capture_output=True,
+                         text=True, timeout=40,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                               (16, 16)))
+    assert res.returncode == 1, res.stderr
+    assert re.search(r"ddpc.launch: could not start rank (\d) \(local rank \1 of 8\): Too many "
+                     r"open files; stopped the \1 rank\(s\) already started\. The open-file "
+                     r"limit is reached \(ulimit -n is 16", res.stderr), res.stderr
+    assert "Traceback" not in res.stderr
+    pids = [int(p) for p in re.findall(r"PID (\d+)", res.stdout)]
+    assert wait_gone(pids) == []
+
+
+def test_a_directory_with_main_runs_as_python_runs_it(tmp_path):
+    (tmp_path / "app").mkdir()
+    write(tmp_path, "app/__main__.py", "import os, sys; print('app ran', os.environ['RANK'], "
+                                       "sys.argv[1:])\n")
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "app", "--x"], tmp_path)
+    assert rc == 0, err
+    assert "[rank0]: app ran 0 ['--x']" in out and "[rank1]: app ran 1 ['--x']" in out
+
+
+def test_torchrun_flags_that_need_nothing_are_accepted(tmp_path):
+    write(tmp_path, "ok.py", "print('ran')\n")
+    rc, out, err, _ = launch(["--nproc-per-node", "gpu", "--monitor-interval", "5",
+                              "--start_method", "spawn", "ok.py"], tmp_path)
+    assert rc == 0, err
+    assert "[rank0]: ran" in out

@@ -238,8 +238,10 @@ def test_bad_arguments():
         notebook_launcher(print, args=5)
     with pytest.raises(TypeError, match="kwargs must be a dict"):
         notebook_launcher(print, kwargs=[1])
-    with pytest.raises(ValueError, match="nprocs must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="nprocs must be between 1 and 65536 .*got 0"):
         notebook_launcher(print, nprocs=0)
+    with pytest.raises(ValueError, match="nprocs must be between 1 and 65536 .*got 10{12}"):
+        notebook_launcher(print, nprocs=10 ** 12)
     with pytest.raises(TypeError, match="nprocs must be an int"):
         notebook_launcher(print, nprocs=2.0)
     with pytest.raises(ValueError, match="timeout must be > 0"):
@@ -299,13 +301,16 @@ def work(scale):
 print("FORK", notebook_launcher(work, args=(2,), nprocs=2, start_method="fork",
                                 return_all=True))
 
-def timeout_case():
+def stuck_here():
     time.sleep(60)
+def timeout_case():
+    stuck_here()
 t = time.monotonic()
 try:
     notebook_launcher(timeout_case, nprocs=2, timeout=2)
 except TimeoutError as e:
     print("TIMEOUT", type(e).__name__, round(time.monotonic() - t) < 20)
+    print("WHERE", str(e))
 """
 
 
@@ -322,6 +327,10 @@ def test_fork_mode_and_timeout(tmp_path):
     assert "[rank0]: forked rank 0" in res.stdout and "[rank1]: forked rank 1" in res.stdout
     assert "FORK [[6.0, 6.0], [6.0, 6.0]]" in res.stdout
     assert "TIMEOUT DistributedTimeoutError True" in res.stdout
+    # The timeout shows where each rank was (fork: the function's file is this script).
+    where = res.stdout[res.stdout.index("WHERE"):]
+    assert "where they were:" in where and "rank 1:" in where, where
+    assert len(re.findall(r'File ".*fork_case\.py", line 17 in stuck_here', where)) == 2, where
 
 
 @pytest.mark.slow
@@ -414,3 +423,120 @@ def test_a_hang_shows_where_the_missing_rank_was(tmp_path):
     assert "DistributedTimeoutError" in msg and "rank 1 never arrived" in msg, msg
     assert "where its threads were when asked" in msg, msg
     assert re.search(r'File ".*hang_case\.py", line 8 in stuck_in_user_code', msg), msg
+
+
+HANG3_CASE = """
+import atexit, os, time
+import numpy as np
+from ddpc.notebook import notebook_launcher, WorkerError
+import ddpc.distributed as dist
+
+def work():
+    if dist.get_rank() == 2:
+        time.sleep(60)  # the stuck rank
+    if dist.get_rank() == 1:
+        atexit.register(time.sleep, 2)  # exits slowly after its error (a big CUDA teardown)
+    dist.all_reduce(np.ones(2))
+
+try:
+    notebook_launcher(work, nprocs=3)
+except WorkerError as e:
+    print("MESSAGE", str(e))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_hang_asks_only_the_stuck_rank_for_its_stack(tmp_path):
+    """Ranks 0 and 1 time out waiting for rank 2; rank 1 is still exiting when rank 0's failure
+    is seen. Only rank 2 is asked for its stack: the signal would kill (or uselessly interrupt)
+    a rank that is exiting."""
+    script = tmp_path / "hang3_case.py"
+    script.write_text(HANG3_CASE)
+    env = dict(os.environ, DDPC_TIMEOUT="3")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PYDIR, env.get("PYTHONPATH")) if p)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=env, timeout=100)
+    assert res.returncode == 0, res.stderr
+    msg = res.stdout[res.stdout.index("MESSAGE"):]
+    assert msg.startswith("MESSAGE rank 0 raised ddpc.DistributedTimeoutError"), msg
+    assert "SIGUSR1" not in msg
+    assert msg.count("where its threads were when asked") == 1, msg
+    assert re.search(r'File ".*hang3_case\.py", line 9 in work', msg), msg
+
+
+INIT_AGAIN_CASE = """
+import ddpc
+from ddpc.notebook import notebook_launcher, WorkerError
+
+def spawn_style(rank_arg):
+    # Written for torch.multiprocessing.spawn: it makes the group itself.
+    ddpc.init_process_group("gloo", rank=ddpc.get_rank(), world_size=2)
+    ddpc.init_process_group()
+    return ddpc.get_world_size()
+print("AGAIN", notebook_launcher(spawn_style, args=(0,), nprocs=2, return_all=True))
+
+def conflicting():
+    ddpc.init_process_group(rank=0, world_size=1)
+try:
+    notebook_launcher(conflicting, nprocs=2)
+except WorkerError as e:
+    print("CONFLICT", str(e).splitlines()[0])
+
+ddpc.init_process_group(backend="cpu", rank=0, world_size=1)  # trying things in the notebook
+try:
+    notebook_launcher(ddpc.get_rank, nprocs=2, start_method="fork")
+except RuntimeError as e:
+    print("FORK", e)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_fn_that_makes_the_group_itself(tmp_path):
+    """fn calling init_process_group (as mp.spawn code does) gets the launcher's group; a
+    conflicting call says to remove it; fork is refused once this process has a group."""
+    script = tmp_path / "init_again.py"
+    script.write_text(INIT_AGAIN_CASE)
+    env = dict(os.environ, DDPC_TIMEOUT="10")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PYDIR, env.get("PYTHONPATH")) if p)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=env, timeout=100)
+    assert res.returncode == 0, res.stderr
+    assert "AGAIN [2, 2]" in res.stdout, res.stdout + res.stderr
+    assert re.search(r"CONFLICT rank [01] raised RuntimeError: notebook_launcher made this "
+                     r"rank's process group \(rank [01] of 2, backend 'cpu'\) before calling "
+                     r"fn, .*world_size=1\), which conflicts with it: remove the call from fn",
+                     res.stdout), res.stdout
+    assert ("FORK start_method='fork': this process has a ddpc process group" in res.stdout
+            and "ddpc.destroy_process_group() here first" in res.stdout), res.stdout
+
+
+UNLOADABLE_CASE = """
+import os, sys
+from ddpc.notebook import notebook_launcher, WorkerError
+
+def work(moddir):
+    sys.path.insert(0, moddir)  # a module only the ranks can import
+    import rankmod
+    return rankmod.Thing()
+try:
+    notebook_launcher(work, args=(sys.argv[1],), nprocs=1)
+except WorkerError as e:
+    print("ERROR", e.rank, e)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_return_value_that_cannot_be_loaded_is_named(tmp_path):
+    moddir = tmp_path / "onlyrank"
+    moddir.mkdir()
+    (moddir / "rankmod.py").write_text("class Thing:\n    pass\n")
+    script = tmp_path / "unloadable.py"
+    script.write_text(UNLOADABLE_CASE)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PYDIR, env.get("PYTHONPATH")) if p)
+    res = subprocess.run([sys.executable, str(script), str(moddir)], capture_output=True,
+                         text=True, env=env, timeout=50)
+    assert res.returncode == 0, res.stderr
+    assert ("ERROR 0 the return value of rank 0 could not be loaded in this process: "
+            "ModuleNotFoundError: No module named 'rankmod'. Return plain data") in res.stdout, \
+        res.stdout + res.stderr

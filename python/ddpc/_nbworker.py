@@ -46,11 +46,15 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, job_dir: str,
     goes to the JSON error report (plus the exception itself when it pickles)."""
     import cloudpickle
 
+    from ddpc import distributed
     from ddpc.distributed import destroy_process_group, init_process_group
 
     rank = int(os.environ.get("RANK", "0"))
     try:
         init_process_group()
+        # fn may call init_process_group itself, as torch.multiprocessing.spawn code does:
+        # that call then returns this group (see init_process_group).
+        distributed._state.made_by_notebook_launcher = True  # type: ignore[union-attr]
         result = fn(*args, **kwargs)
         destroy_process_group()
         if rank == 0 or return_all:

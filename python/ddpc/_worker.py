@@ -74,30 +74,56 @@ def _trimming_hook(hook: Callable[..., Any]) -> Callable[..., None]:
     return excepthook
 
 
+def _describe(exc: BaseException) -> str:
+    """str(exc), or what Python itself prints when that raises."""
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - the user's __str__ may do anything
+        return "<exception str() failed>"
+
+
+def _int_env(name: str) -> int:
+    try:
+        return int(os.environ.get(name, "-1"))
+    except ValueError:
+        return -1
+
+
 def write_error_file(path: str, exc: BaseException, tb: TracebackType | None) -> None:
     """Writes the error report atomically (temp file + rename), so the launcher never reads half
-    of one. A failure to write is reported on stderr but never hides the user's exception."""
-    report = {
-        "rank": int(os.environ.get("RANK", "-1")),
-        "local_rank": int(os.environ.get("LOCAL_RANK", "-1")),
-        "pid": os.getpid(),
-        "hostname": socket.gethostname(),
-        "exception_type": type(exc).__qualname__ if type(exc).__module__ == "builtins"
-        else f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, tb)),
-        "timestamp": time.time(),
-    }
-    memory = _oom.facts(exc)
-    if memory is not None:
-        report["memory"] = memory
-    tmp = f"{path}.{os.getpid()}.tmp"
+    of one. Never raises: a part of the report that cannot be made (an exception whose __str__
+    raises) gets a stand-in, and a failure to write is reported on stderr, so nothing here
+    hides the user's exception."""
     try:
+        exc_type = (type(exc).__qualname__ if type(exc).__module__ == "builtins"
+                    else f"{type(exc).__module__}.{type(exc).__qualname__}")
+        try:
+            text = "".join(traceback.format_exception(type(exc), exc, tb))
+        except Exception:  # noqa: BLE001 - as above
+            text = "".join(traceback.format_tb(tb)) + f"{exc_type}: {_describe(exc)}\n"
+        report: dict[str, Any] = {
+            "rank": _int_env("RANK"),
+            "local_rank": _int_env("LOCAL_RANK"),
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "exception_type": exc_type,
+            "message": _describe(exc),
+            "traceback": text,
+            "timestamp": time.time(),
+        }
+        try:
+            memory = _oom.facts(exc)
+        except Exception:  # noqa: BLE001 - the explanation is optional; the report is not
+            memory = None
+        if memory is not None:
+            report["memory"] = memory
+        tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(report, f)
+            json.dump(report, f, default=repr)
         os.replace(tmp, path)
-    except OSError as e:
-        print(f"ddpc._worker: could not write the error file {path}: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - the user's exception goes on regardless
+        print(f"ddpc._worker: could not write the error file {path}: "
+              f"{type(e).__name__}: {_describe(e)}", file=sys.stderr)
 
 
 def main(argv: list[str]) -> None:

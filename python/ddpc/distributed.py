@@ -98,6 +98,7 @@ class _State:
         self.master = ("", 0)
         self.groups_made = 0
         self.file_written: Optional[Tuple[str, str]] = None  # rank 0's file:// rendezvous file
+        self.made_by_notebook_launcher = False  # (fn calling init again gets this group)
 
 
 _state: Optional[_State] = None
@@ -355,6 +356,17 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     if unknown:
         raise TypeError(f"init_process_group() got unexpected keyword argument(s) {sorted(unknown)}")
     if _state is not None:
+        # In a notebook_launcher rank the group exists before fn runs; fn written for
+        # torch.multiprocessing.spawn calls init itself: the same group again is a no-op.
+        if _state.made_by_notebook_launcher:
+            if (rank in (-1, _state.rank) and world_size in (-1, _state.world_size)
+                    and _pick_backend(backend) == _state.backend):
+                return
+            raise RuntimeError(
+                f"notebook_launcher made this rank's process group (rank {_state.rank} of "
+                f"{_state.world_size}, backend {_state.backend!r}) before calling fn, and fn "
+                f"called init_process_group(backend={backend!r}, rank={rank}, "
+                f"world_size={world_size}), which conflicts with it: remove the call from fn")
         raise RuntimeError("init_process_group was already called in this process: call "
                            "ddpc.destroy_process_group() first to start a new one")
     _C.check_settings()  # a DDPC_* value that is not a setting: ValueError, before anything starts

@@ -7,9 +7,11 @@ import argparse
 import collections
 import contextvars
 import dataclasses
+import errno
 import importlib.util
 import json
 import os
+import resource
 import secrets
 import select
 import shutil
@@ -35,6 +37,9 @@ MAX_LINE = 64 * 1024         # longer lines are cut into pieces rather than held
 OUTPUT_JOIN_S = 2.0          # how long to wait for the last output after the processes exit
 STACK_WAIT_S = 3.0           # how long ranks get to print their Python stacks when asked
 STACK_LINES = 40             # stack lines kept per rank for the failure summary
+MAX_LOCAL_RANKS = 65536      # more processes than any one machine runs: a typo, not a job
+MAX_WORLD_SIZE = 2 ** 31 - 1  # ranks are 32-bit in the process group
+FAILURE_WINDOW_S = 1.0       # failures this close together are one event: the cause is picked
 
 SIGNAL_HINTS = {
     "SIGKILL": "likely the out-of-memory killer: check dmesg / lower the batch size",
@@ -372,12 +377,17 @@ class WorkerGroup:
     def dump_stacks(self) -> None:
         """Asks every running rank for its threads' Python stacks (STACK_SIGNAL, to the rank's
         process alone: its children would die of it) and keeps what each prints in its `stack`.
-        Waits until the lines stop coming, at most STACK_WAIT_S."""
+        Ranks that already wrote an error report are left out: they are exiting, not stuck, and
+        the signal would kill them once the interpreter stopped handling it. Waits until the
+        lines stop coming, at most STACK_WAIT_S."""
         asked = []
         for w in self.running():
+            if w.error_report() is not None:
+                continue
             w.capturing = []
             try:
                 os.kill(w.proc.pid, STACK_SIGNAL)
+                w.signalled = STACK_SIGNAL
                 asked.append(w)
             except (ProcessLookupError, PermissionError):
                 w.capturing = None
@@ -449,6 +459,46 @@ def waited_for_others(report: dict | None) -> bool:
         "DistributedTimeoutError")
 
 
+def first_failure(group: WorkerGroup,
+                  interrupted: Callable[[], bool] = lambda: False) -> Worker:
+    """The failure to name as the cause, once at least one rank failed. One rank's error
+    makes others fail soon after (rank 0 times out, stops serving the store, and rank 1
+    gets a PeerError for the lost connection, possibly exiting first), so this waits up to
+    FAILURE_WINDOW_S after the first exit while the best candidate is such a consequence, or
+    while ranks that wrote an error report are still exiting; then it picks by kind (see
+    failure_kind), then by exit order. A rank that wrote its report counts as failed even
+    if it is still exiting."""
+    deadline = time.monotonic() + FAILURE_WINDOW_S
+    while True:
+        # running() before failures(): a rank exiting between the two calls is in one.
+        exiting = [w for w in group.running() if w.error_report() is not None]
+        failed = group.failures()
+        best = min(failed + exiting, key=lambda w: (
+            failure_kind(w.error_report()), w.exited_at is None,
+            w.exited_at or 0.0, w.rank))
+        settled = failure_kind(best.error_report()) < 2 and not exiting
+        if settled or time.monotonic() >= deadline or interrupted():
+            return best
+        group.wait_change(0.05)
+
+
+def failure_kind(report: dict | None) -> int:
+    """How likely a failure is the cause rather than a consequence: 0 for a rank's own error
+    (or a death without a report), 1 for a timeout waiting for others, 2 for a PeerError (a
+    peer or the store went away, usually because another rank failed)."""
+    if waited_for_others(report):
+        return 1
+    if report and str(report.get("exception_type", "")).endswith("PeerError"):
+        return 2
+    return 0
+
+
+def any_waited_for_others(group: WorkerGroup) -> bool:
+    """Did any rank fail by timing out while waiting for others? Then the job hung somewhere,
+    and the stacks of the ranks still running say where."""
+    return any(waited_for_others(w.error_report()) for w in group.workers)
+
+
 def _killpg(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
@@ -510,6 +560,25 @@ def rank_env(base: dict[str, str], *, rank: int, local_rank: int, world_size: in
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     return env
+
+
+def start_failure(rank: int, local: int, nproc: int, error: OSError, fewer: str) -> str:
+    """What to say when rank's process could not be started (local of nproc on this node):
+    the cause and what to change. fewer: how the user asks for fewer ranks."""
+    if error.errno in (errno.EMFILE, errno.ENFILE):
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+        hint = (f"the open-file limit is reached (ulimit -n is {limit}; each rank holds about 4 "
+                f"descriptors here): raise it, e.g. ulimit -n 65536, or lower {fewer}")
+    elif error.errno == errno.EAGAIN:
+        hint = f"the process limit is reached: raise ulimit -u, or lower {fewer}"
+    elif error.errno == errno.ENOMEM:
+        hint = f"the machine is out of memory: free some, or lower {fewer}"
+    else:
+        hint = f"fix the cause, or lower {fewer}"
+    started = (f"; stopped the {local} rank(s) already started" if local else "")
+    return (f"could not start rank {rank} (local rank {local} of {nproc}): "
+            f"{error.strerror or error}{started}. {hint[0].upper()}{hint[1:]}")
 
 
 def signal_name(sig: int) -> str:
@@ -576,8 +645,11 @@ def failure_summary(group: WorkerGroup, first: Worker, who: str = "ddpc.launch",
                     rank_gpus: Sequence[GpuInfo | None] | None = None) -> str:
     """Which rank failed first and how, its traceback (or last stderr lines), what an
     out-of-memory error means here, and the other ranks. rank_gpus: see oom_lines."""
+    how = describe_exit(first.returncode)
+    if first.signalled is not None and first.returncode == -first.signalled:
+        how = f"it was still exiting when the launcher stopped it ({signal_name(first.signalled)})"
     lines = [f"{who}: rank {first.rank} (local rank {first.local_rank}, pid {first.proc.pid}) "
-             f"failed first: {describe_exit(first.returncode)}"]
+             f"failed first: {how}"]
     report = first.error_report()
     if report and report.get("traceback"):
         lines.append(f"  rank {first.rank} raised {report.get('exception_type')}: "
@@ -719,6 +791,11 @@ class Launcher:
                      "avoid oversubscribing the CPU; set it yourself to tune")
         for note in cfg.plan.notes:
             self.say(f"ddpc.launch: note: {note}")
+        cpus = os.cpu_count() or 1
+        if cfg.plan.gpus == 0 and cfg.plan.nproc > cpus:
+            self.say(f"ddpc.launch: warning: {cfg.plan.nproc} ranks on a node without GPUs and "
+                     f"with {cpus} CPU(s): they share the CPUs and each step waits for the "
+                     f"slowest; --nproc-per-node {cpus} or fewer is usually faster")
         for warning in setting_warnings(os.environ, cfg.plan.gpus > 0):
             self.say(f"ddpc.launch: warning: {warning}")
         for local, gpu in enumerate(cfg.plan.rank_gpus):
@@ -762,9 +839,16 @@ class Launcher:
                                restart_count=restart, max_restarts=cfg.max_restarts,
                                run_id=cfg.run_id, token=token, error_file=error_file,
                                cuda_visible_devices=cfg.plan.cuda_visible_devices)
-                proc = subprocess.Popen([sys.executable, "-m", "ddpc._worker"] + cfg.target,
-                                        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, start_new_session=True)
+                try:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "ddpc._worker"] + cfg.target, env=env,
+                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        start_new_session=True)
+                except OSError as e:
+                    group.stop(signal.SIGTERM, escalate=lambda: bool(self.signals))
+                    self.say("ddpc.launch: " + start_failure(rank, local, nproc, e,
+                                                             "--nproc-per-node"))
+                    return 1, None
                 group.add(Worker(rank, local, proc, error_file))
             return self.watch(group)
         finally:
@@ -792,8 +876,8 @@ class Launcher:
             running = group.running()
             failures = group.failures()
             if failures:
-                first = failures[0]
-                if waited_for_others(first.error_report()):
+                first = first_failure(group, lambda: bool(self.signals))
+                if any_waited_for_others(group):
                     group.dump_stacks()
                 group.stop(signal.SIGTERM, escalate=lambda: bool(self.signals))
                 group.finish()
@@ -805,7 +889,8 @@ class Launcher:
                             f.write(summary + "\n")
                     except OSError as e:
                         self.say(f"ddpc.launch: cannot write the summary under --log-dir: {e}")
-                return exit_status(first.returncode), first
+                stopped = first.signalled is not None and first.returncode == -first.signalled
+                return (1 if stopped else exit_status(first.returncode)), first
             if not running:
                 group.finish()
                 return 0, None
@@ -833,8 +918,21 @@ _positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
 _nonneg_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
 _nonneg_float = _checked(float, lambda v: v >= 0, "a number of seconds >= 0")  # NaN fails too
 _port = _checked(int, lambda v: 1 <= v <= 65535, "a TCP port in 1..65535")
-_nproc = _checked(lambda t: None if t == "auto" else int(t), lambda v: v is None or v >= 1,
-                  "a positive integer or 'auto'")
+_nproc = _checked(lambda t: None if t in ("auto", "gpu") else int(t),
+                  lambda v: v is None or 1 <= v <= MAX_LOCAL_RANKS,
+                  f"a positive integer up to {MAX_LOCAL_RANKS} or 'auto'")
+
+# torchrun flags ddpc.launch does not have: what to do instead (refused with this advice).
+TORCHRUN_ONLY = {
+    "--no-python": "ddpc.launch runs Python scripts and modules only: run the Python script "
+                   "your wrapper starts directly",
+    "--rdzv-conf": "ddpc's rendezvous (rank 0's store) has no options to set: drop it",
+    "--role": "ddpc.launch runs one role: drop it",
+    "--redirects": "use --log-dir DIR to keep each rank's output in files",
+    "--tee": "use --log-dir DIR: the output goes to the console and to the files",
+    "--local-ranks-filter": "ddpc.launch shows every rank's output prefixed with [rankN]: "
+                            "filter it with grep",
+}
 
 
 def _nnodes(text: str) -> int:
@@ -879,11 +977,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  python -m ddpc.launch --nproc-per-node 2 train.py --lr 3e-5\n"
                "  python -m ddpc.launch --gpus auto --nproc-per-node 2 -m mypkg.train\n"
                "  DDPC_TOKEN=<shared secret> python -m ddpc.launch --nnodes 2 --node-rank 0 "
-               "--master-addr host0 train.py",
+               "--master-addr host0 train.py\n\n"
+               "torchrun's PET_<FLAG> environment variables (PET_NNODES, PET_NODE_RANK, "
+               "PET_NPROC_PER_NODE,\nPET_MASTER_ADDR, PET_MASTER_PORT, ...) set the defaults of "
+               "the matching flags, as in torchrun.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=_nproc, default=None,
-                   metavar="N|auto", help="ranks on this node (default auto: one per visible GPU, "
-                   "or the number of --gpus, else 1)")
+                   metavar="N|auto", help="ranks on this node (default auto, also spelt gpu "
+                   "as in torchrun: one per visible GPU, or the number of --gpus, else 1)")
     p.add_argument("--nnodes", type=_nnodes, default=1,
                    help="number of nodes (default 1; torchrun's N:N is accepted)")
     p.add_argument("--node-rank", "--node_rank", type=_nonneg_int, default=None,
@@ -919,6 +1020,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="c10d or static (ddpc's own store plays that part); others are refused")
     rdzv.add_argument("--rdzv-id", "--rdzv_id", default=None, metavar="ID",
                       help="the same as --run-id")
+    rdzv.add_argument("--monitor-interval", "--monitor_interval", default=None, metavar="S",
+                      help="accepted and ignored: ddpc watches the ranks continuously")
+    rdzv.add_argument("--start-method", "--start_method", default=None, metavar="spawn",
+                      help="accepted and ignored: every rank is a fresh interpreter (spawn)")
+    for flag in TORCHRUN_ONLY:
+        names = [flag, flag.replace("-", "_").replace("__", "--", 1)]
+        if flag in ("--redirects", "--tee"):
+            names.insert(0, flag[1:3])
+        p.add_argument(*dict.fromkeys(names), dest=f"torchrun_{flag[2:].replace('-', '_')}",
+                       default=None, help=argparse.SUPPRESS,
+                       **({"action": "store_true"} if flag == "--no-python" else {}))
     p.add_argument("-m", "--module", action="store_true",
                    help="run the target as a module, like python -m")
     p.add_argument("script", metavar="script.py|module", help="what each rank runs")
@@ -926,8 +1038,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# torchrun reads each of its flags from PET_<DEST> when the flag is not given (Kubeflow's
+# PyTorchJob and other operators configure nodes that way); these are the ones ddpc shares.
+PET_DESTS = ("nnodes", "node_rank", "nproc_per_node", "master_addr", "master_port",
+             "max_restarts", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "standalone",
+             "log_dir", "module")
+
+
+def pet_defaults(parser: argparse.ArgumentParser, environ: Any) -> list[str]:
+    """Makes torchrun's PET_* environment variables the defaults of the matching flags (a flag
+    on the command line still wins), as torchrun does. Returns a note per variable used; a
+    value the flag would refuse exits via parser.error, naming the variable."""
+    notes = []
+    for action in parser._actions:
+        name = f"PET_{action.dest.upper()}"
+        text = environ.get(name)
+        if action.dest not in PET_DESTS or not text:
+            continue
+        flag = max(action.option_strings, key=len, default=action.dest)
+        if action.nargs == 0:  # a store_true flag: torchrun reads 1 / 0
+            if text.strip() not in ("0", "1"):
+                parser.error(f"{name}={text!r} (torchrun's environment form of {flag}): "
+                             f"expected 1 or 0")
+            value: Any = text.strip() == "1"
+        else:
+            try:
+                value = action.type(text) if action.type else text
+            except argparse.ArgumentTypeError as e:
+                parser.error(f"{name}={text!r} (torchrun's environment form of {flag}): {e}; "
+                             f"fix or unset it, or pass {flag}")
+        parser.set_defaults(**{action.dest: value})
+        notes.append(f"{name}={text} is set: using it as {flag} (torchrun does); a flag on the "
+                     f"command line would win")
+    return notes
+
+
 def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchConfig:
     """Checks the arguments against each other and the machine; exits via parser.error."""
+    for flag, advice in TORCHRUN_ONLY.items():
+        if getattr(args, f"torchrun_{flag[2:].replace('-', '_')}") not in (None, False):
+            parser.error(f"argument {flag}: torchrun's flag is not supported: {advice}")
     if args.module:
         try:
             found = importlib.util.find_spec(args.script.split(".")[0]) is not None
@@ -938,7 +1088,12 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Launch
                          f"starts with the working directory {os.getcwd()})")
         target = ["-m", args.script] + args.script_args
     else:
-        if not os.path.isfile(args.script):
+        if os.path.isdir(args.script):
+            if not os.path.isfile(os.path.join(args.script, "__main__.py")):
+                parser.error(f"argument script.py: {args.script!r} is a directory without "
+                             f"__main__.py: name the script inside it, or to run a package "
+                             f"use -m")
+        elif not os.path.isfile(args.script):
             parser.error(f"argument script.py: {args.script!r} not found (working directory "
                          f"{os.getcwd()}); to run a module use -m")
         target = [args.script] + args.script_args
@@ -962,6 +1117,13 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Launch
             parser.error(f"argument --rdzv-id: {args.rdzv_id!r} differs from --run-id "
                          f"{args.run_id!r}: give one of them")
         args.run_id = args.rdzv_id
+    if args.nproc_per_node is not None and args.nnodes * args.nproc_per_node > MAX_WORLD_SIZE:
+        parser.error(f"--nnodes {args.nnodes} times --nproc-per-node {args.nproc_per_node} is "
+                     f"{args.nnodes * args.nproc_per_node} ranks; a job has at most "
+                     f"{MAX_WORLD_SIZE} (2**31 - 1): check both numbers")
+    if args.nnodes > MAX_WORLD_SIZE:
+        parser.error(f"argument --nnodes: {args.nnodes} nodes; a job has at most "
+                     f"{MAX_WORLD_SIZE} (2**31 - 1) ranks: check the number")
     if args.standalone and args.nnodes != 1:
         parser.error(f"argument --standalone: means one node, but --nnodes is {args.nnodes}")
     if args.node_rank is None and args.nnodes == 1:
@@ -1005,8 +1167,12 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Launch
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m ddpc.launch` and `ddpc-launch`; returns the exit status."""
     parser = build_parser()
+    notes = pet_defaults(parser, os.environ)
     args = parser.parse_args(argv)
-    return Launcher(resolve(parser, args)).run()
+    cfg = resolve(parser, args)
+    for note in notes:
+        print(f"ddpc.launch: note: {note}", file=sys.stderr, flush=True)
+    return Launcher(cfg).run()
 
 
 if __name__ == "__main__":

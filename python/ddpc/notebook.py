@@ -21,12 +21,13 @@ import types
 import uuid
 from typing import Any, Callable, Sequence
 
-from ddpc import _C, _settings
+from ddpc import _C, _settings, distributed
 from ddpc._nbworker import error_path, exception_path, result_path, run_rank
 from ddpc._worker import die_with_parent, enable_stack_dumps
-from ddpc.launch import (DevicePlan, Worker, WorkerGroup, describe_exit, describe_other,
+from ddpc.launch import (MAX_LOCAL_RANKS, DevicePlan, Worker, WorkerGroup,
+                         any_waited_for_others, describe_exit, describe_other, first_failure,
                          free_port, oom_lines, plan_devices, rank_env, stack_lines,
-                         waited_for_others, worker_pythonpath)
+                         start_failure, worker_pythonpath)
 
 STOP_GRACE_S = 3.0  # seconds between SIGINT/SIGTERM and SIGKILL when stopping ranks
 
@@ -138,8 +139,9 @@ def _check_arguments(fn: Any, args: Any, kwargs: Any, nprocs: Any, gpus: Any, ti
     if nprocs is not None:
         if isinstance(nprocs, bool) or not isinstance(nprocs, numbers.Integral):
             raise TypeError(f"nprocs must be an int or None, got {type(nprocs).__name__}")
-        if nprocs < 1:
-            raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+        if not 1 <= nprocs <= MAX_LOCAL_RANKS:
+            raise ValueError(f"nprocs must be between 1 and {MAX_LOCAL_RANKS} (one process per "
+                             f"rank on this machine), got {nprocs}")
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
             raise TypeError(f"timeout must be a number of seconds or None, got "
@@ -156,6 +158,11 @@ def _check_arguments(fn: Any, args: Any, kwargs: Any, nprocs: Any, gpus: Any, ti
                            "use CUDA then. Use the default start_method='spawn' (the function "
                            "is sent by value with cloudpickle), or restart the kernel and call "
                            "notebook_launcher before any CUDA work.")
+    if start_method == "fork" and distributed._state is not None:
+        raise RuntimeError("start_method='fork': this process has a ddpc process group (from "
+                           "ddpc.init_process_group()), and forked ranks would inherit it. Call "
+                           "ddpc.destroy_process_group() here first, or use the default "
+                           "start_method='spawn'.")
     if gpus is None or gpus == "auto":
         return gpus
     if isinstance(gpus, str):
@@ -223,8 +230,9 @@ def notebook_launcher(fn: Callable[..., Any], args: Sequence[Any] = (),
 
     Each rank is a new process with torchrun's environment variables (RANK, WORLD_SIZE,
     MASTER_ADDR, a fresh free MASTER_PORT, a fresh DDPC_TOKEN; OMP_NUM_THREADS=1 unless set);
-    it calls ddpc.init_process_group(), fn, then ddpc.destroy_process_group() (so fn itself
-    must not initialise the process group).
+    it calls ddpc.init_process_group(), fn, then ddpc.destroy_process_group(). A call of
+    ddpc.init_process_group() in fn (as torch.multiprocessing.spawn code makes) is a no-op
+    when its rank, world_size and backend do not conflict with that group.
 
     fn: any callable; with start_method="spawn" (the default) it travels by value with
         cloudpickle, so functions, classes, closures and lambdas defined in notebook cells work,
@@ -310,13 +318,18 @@ def _start_ranks(group: WorkerGroup, plan: DevicePlan, job_dir: str, payload: by
                        master_port=port, restart_count=0, max_restarts=0, run_id=run_id,
                        token=token, error_file=error_path(job_dir, rank),
                        cuda_visible_devices=plan.cuda_visible_devices)
-        if start_method == "spawn":
-            proc: Any = subprocess.Popen(
-                [sys.executable, "-m", "ddpc._nbworker", job_dir], env=env,
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True)
-        else:
-            proc = _fork_rank(fn, args, kwargs, env, job_dir, return_all)
+        try:
+            if start_method == "spawn":
+                proc: Any = subprocess.Popen(
+                    [sys.executable, "-m", "ddpc._nbworker", job_dir], env=env,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    start_new_session=True)
+            else:
+                proc = _fork_rank(fn, args, kwargs, env, job_dir, return_all)
+        except OSError as e:
+            _stop_for_good(group)
+            raise WorkerError("notebook_launcher: " + start_failure(rank, rank, nproc, e,
+                                                                    "nprocs"), rank) from None
         group.add(Worker(rank, rank, proc, error_path(job_dir, rank)))
 
 
@@ -328,21 +341,27 @@ def _wait(group: WorkerGroup, nproc: int, job_dir: str, timeout: float | None,
         running = group.running()  # before failures(): see Launcher.watch
         failures = group.failures()
         if failures:
-            if waited_for_others(failures[0].error_report()):
+            first = first_failure(group)
+            if any_waited_for_others(group):
                 group.dump_stacks()
             group.stop(signal.SIGTERM)
             group.finish()
-            raise _worker_error(group, failures[0], job_dir, rank_gpus)
+            raise _worker_error(group, first, job_dir, rank_gpus)
         if not running:
             group.finish()
             break
         if deadline is not None and time.monotonic() > deadline:
-            running = [w.rank for w in group.running()]
+            running = group.running()
+            group.dump_stacks()  # before stopping: where each rank was is what the user needs
             group.stop(signal.SIGTERM)
             group.finish()
+            where = "".join("\n".join([f"\n  rank {w.rank}:"] + ["    " + ln
+                                                                for ln in stack_lines(w)])
+                            for w in running)
             raise _C.DistributedTimeoutError(
-                f"notebook_launcher: rank(s) {running} still running after timeout={timeout} s; "
-                f"stopped all ranks. Raise timeout (or pass None) if the work needs longer")
+                f"notebook_launcher: rank(s) {[w.rank for w in running]} still running after "
+                f"timeout={timeout} s; stopped all ranks. Raise timeout (or pass None) if the "
+                f"work needs longer" + (f"\n\nwhere they were:{where}" if where else ""))
         group.wait_change(0.1)
     import cloudpickle
 
@@ -355,6 +374,11 @@ def _wait(group: WorkerGroup, nproc: int, job_dir: str, timeout: float | None,
         except FileNotFoundError:
             raise WorkerError(f"rank {r} exited with code 0 but sent no return value back: did "
                               f"fn end the process itself (os._exit)?", r) from None
+        except Exception as e:  # noqa: BLE001 - whatever unpickling the user's object raises
+            raise WorkerError(f"the return value of rank {r} could not be loaded in this "
+                              f"process: {type(e).__name__}: {e}. Return plain data (numbers, "
+                              f"arrays, tensors on cpu), or objects of modules this process "
+                              f"can import too", r) from None
     return results if return_all else results[0]
 
 
