@@ -12,9 +12,23 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYDIR = os.path.join(ROOT, "python")
+
 sys.path.insert(0, PYDIR)
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def run_case(tmp_path, name, text, args=(), drop=(), **env_vars):
+    """Writes text to tmp_path/name and runs it with this checkout's ddpc importable (plus
+    env_vars, without the variables in drop); returns the CompletedProcess."""
+    script = tmp_path / name
+    script.write_text(text)
+    env = dict(os.environ, **env_vars)
+    for k in drop:
+        env.pop(k, None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PYDIR, env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          env=env, timeout=100)
 
 
 def children_of(pid):
@@ -317,12 +331,7 @@ except TimeoutError as e:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fork_mode_and_timeout(tmp_path):
-    script = tmp_path / "fork_case.py"
-    script.write_text(FORK_SCRIPT)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (PYDIR, env.get("PYTHONPATH")) if p)
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         env=env, timeout=100)
+    res = run_case(tmp_path, "fork_case.py", FORK_SCRIPT)
     assert res.returncode == 0, res.stderr
     assert "[rank0]: forked rank 0" in res.stdout and "[rank1]: forked rank 1" in res.stdout
     assert "FORK [[6.0, 6.0], [6.0, 6.0]]" in res.stdout
@@ -373,13 +382,7 @@ except WorkerError as e:
 def test_cuda_oom_is_explained_in_the_error(tmp_path):
     """A rank's CUDA out-of-memory error (torch's type and message; no GPU here) comes back with
     the launcher's explanation: rank 1 allocated on cuda:0, which is not its GPU."""
-    script = tmp_path / "oom_case.py"
-    script.write_text(OOM_CASE)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (PYDIR, env.get("PYTHONPATH")) if p)
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         env=env, timeout=100)
+    res = run_case(tmp_path, "oom_case.py", OOM_CASE, drop=("CUDA_VISIBLE_DEVICES",))
     assert res.returncode == 0, res.stderr
     msg = res.stdout[res.stdout.index("MESSAGE"):]
     assert "rank 1 raised torch.OutOfMemoryError" in msg
@@ -412,12 +415,7 @@ except WorkerError as e:
 @pytest.mark.timeout(120)
 def test_a_hang_shows_where_the_missing_rank_was(tmp_path):
     """Rank 0 times out waiting for rank 1 (DDPC_TIMEOUT=3): the error shows rank 1's stack."""
-    script = tmp_path / "hang_case.py"
-    script.write_text(HANG_CASE)
-    env = dict(os.environ, DDPC_TIMEOUT="3")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (PYDIR, env.get("PYTHONPATH")) if p)
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         env=env, timeout=100)
+    res = run_case(tmp_path, "hang_case.py", HANG_CASE, DDPC_TIMEOUT="3")
     assert res.returncode == 0, res.stderr
     msg = res.stdout[res.stdout.index("MESSAGE"):]
     assert "DistributedTimeoutError" in msg and "rank 1 never arrived" in msg, msg
@@ -450,12 +448,7 @@ def test_a_hang_asks_only_the_stuck_rank_for_its_stack(tmp_path):
     """Ranks 0 and 1 time out waiting for rank 2; rank 1 is still exiting when rank 0's failure
     is seen. Only rank 2 is asked for its stack: the signal would kill (or uselessly interrupt)
     a rank that is exiting."""
-    script = tmp_path / "hang3_case.py"
-    script.write_text(HANG3_CASE)
-    env = dict(os.environ, DDPC_TIMEOUT="3")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (PYDIR, env.get("PYTHONPATH")) if p)
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         env=env, timeout=100)
+    res = run_case(tmp_path, "hang3_case.py", HANG3_CASE, DDPC_TIMEOUT="3")
     assert res.returncode == 0, res.stderr
     msg = res.stdout[res.stdout.index("MESSAGE"):]
     assert msg.startswith("MESSAGE rank 0 raised ddpc.DistributedTimeoutError"), msg
@@ -494,12 +487,7 @@ except RuntimeError as e:
 def test_fn_that_makes_the_group_itself(tmp_path):
     """fn calling init_process_group (as mp.spawn code does) gets the launcher's group; a
     conflicting call says to remove it; fork is refused once this process has a group."""
-    script = tmp_path / "init_again.py"
-    script.write_text(INIT_AGAIN_CASE)
-    env = dict(os.environ, DDPC_TIMEOUT="10")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (PYDIR, env.get("PYTHONPATH")) if p)
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         env=env, timeout=100)
+    res = run_case(tmp_path, "init_again.py", INIT_AGAIN_CASE, DDPC_TIMEOUT="10")
     assert res.returncode == 0, res.stderr
     assert "AGAIN [2, 2]" in res.stdout, res.stdout + res.stderr
     assert re.search(r"CONFLICT rank [01] raised RuntimeError: notebook_launcher made this "
@@ -530,12 +518,7 @@ def test_a_return_value_that_cannot_be_loaded_is_named(tmp_path):
     moddir = tmp_path / "onlyrank"
     moddir.mkdir()
     (moddir / "rankmod.py").write_text("class Thing:\n    pass\n")
-    script = tmp_path / "unloadable.py"
-    script.write_text(UNLOADABLE_CASE)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (PYDIR, env.get("PYTHONPATH")) if p)
-    res = subprocess.run([sys.executable, str(script), str(moddir)], capture_output=True,
-                         text=True, env=env, timeout=50)
+    res = run_case(tmp_path, "unloadable.py", UNLOADABLE_CASE, args=[str(moddir)])
     assert res.returncode == 0, res.stderr
     assert ("ERROR 0 the return value of rank 0 could not be loaded in this process: "
             "ModuleNotFoundError: No module named 'rankmod'. Return plain data") in res.stdout, \

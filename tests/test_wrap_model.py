@@ -154,6 +154,18 @@ def local_grads(module, fn):
     return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in c.parameters()]
 
 
+def averaged_step_error(model, forward, x, y, rank):
+    """One synced step of forward (the wrapped model, or something that calls it) on this
+    rank's shard of (x, y) after zero_grad: the largest difference between model's gradients
+    and the average over ranks of each rank's local gradients."""
+    expected = [sum(g) / WORLD for g in zip(*[
+        local_grads(model, lambda m, r=r: mse(m(shard(x, r)), shard(y, r)))
+        for r in range(WORLD)])]
+    model.zero_grad(set_to_none=True)
+    mse(forward(shard(x, rank)), shard(y, rank)).backward()
+    return max((p.grad - e).abs().max().item() for p, e in zip(model.parameters(), expected))
+
+
 def make_opt(name, params):
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
@@ -330,16 +342,7 @@ def sc_compile(rank):
     wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL)
     compiled = torch.compile(wrapped, backend="aot_eager")
     counters.clear()
-    errs = []
-    for step in range(3):
-        x, y = batch(500 + step)
-        expected = [sum(g) / WORLD for g in zip(*[
-            local_grads(model, lambda m, r=r: mse(m(shard(x, r)), shard(y, r)))
-            for r in range(WORLD)])]
-        model.zero_grad(set_to_none=True)
-        mse(compiled(shard(x, rank)), shard(y, rank)).backward()
-        errs.append(max((p.grad - e).abs().max().item()
-                        for p, e in zip(model.parameters(), expected)))
+    errs = [averaged_step_error(model, compiled, *batch(500 + step), rank) for step in range(3)]
     out = {"errs": errs, "graphs": counters["stats"]["unique_graphs"], "copies": []}
     for copier in (copy.deepcopy, pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
         try:
@@ -360,21 +363,13 @@ def sc_changed_after_wrap(rank):
     x, y = batch(600)
     mse(wrapped(shard(x, rank).float()), shard(y, rank).float()).backward()
     model.double()
-    errs = []
-    for step in range(2):
-        x, y = batch(601 + step)
-        expected = [sum(g) / WORLD for g in zip(*[
-            local_grads(model, lambda m, r=r: mse(m(shard(x, r)), shard(y, r)))
-            for r in range(WORLD)])]
-        model.zero_grad(set_to_none=True)
-        mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
-        errs.append(max((p.grad - e).abs().max().item()
-                        for p, e in zip(model.parameters(), expected)))
+    errs = [averaged_step_error(model, wrapped, *batch(601 + step), rank) for step in range(2)]
     dtypes = sorted({str(p.grad.dtype) for p in model.parameters()})
     first = next(n for n, _ in model.named_parameters())
     mod_name, attr = first.rsplit(".", 1)
     owner = model.get_submodule(mod_name)
     setattr(owner, attr, torch.nn.Parameter(getattr(owner, attr).detach().clone()))
+    x, y = batch(603)
     try:
         mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
         replaced = None
@@ -653,17 +648,7 @@ def sc_retain_graph(rank):
             p.grad = None
         mse(ddpc.unwrap(wrapped)(x), y).backward()
         probe_err = max((p.grad - w).abs().max().item() for p, w in zip(model.parameters(), want))
-    after = []
-    for step in range(2):
-        x, y = batch(90 + step)
-        expected = [sum(g) / WORLD for g in zip(*[
-            local_grads(model, lambda m, r=r: mse(m(shard(x, r)), shard(y, r)))
-            for r in range(WORLD)])]
-        for p in model.parameters():
-            p.grad = None
-        mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
-        after.append(max((p.grad - e).abs().max().item()
-                         for p, e in zip(model.parameters(), expected)))
+    after = [averaged_step_error(model, wrapped, *batch(90 + step), rank) for step in range(2)]
     return {"errs": errs, "probe_err": probe_err, "after_probe": after}
 
 
