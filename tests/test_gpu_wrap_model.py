@@ -813,6 +813,40 @@ def sc_join_hook(rank: int, dev: torch.device) -> Dict[str, Any]:
     return out
 
 
+def sc_unused_compile(rank: int, dev: torch.device) -> Dict[str, Any]:
+    """find_unused_parameters=True (its flags' all-reduce on the device), the module converted
+    inside the wrapper (ddpc.unwrap(model).double()), and torch.compile of the wrapper, as
+    tests/test_wrap_model.py checks them on the cpu backend."""
+    import ddpc
+    model = make(Branchy, rank, torch.float64, dev)
+    wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL, find_unused_parameters=True)
+    x, y = batch(800, dev)
+    expected = averaged_grads(model, lambda m, r: mse(m(shard(x, r), r % 2), shard(y, r)))
+    model.zero_grad(set_to_none=True)
+    mse(wrapped(shard(x, rank), rank % 2), shard(y, rank)).backward()
+    out: Dict[str, Any] = {
+        "none": sorted(n for n, p in model.named_parameters() if p.grad is None),
+        "unused_err": max((p.grad - e).abs().max().item()
+                          for p, e in zip(model.parameters(), expected) if p.grad is not None)}
+    plain = make(MLP, rank, torch.float32, dev)
+    wrapped = ddpc.wrap_model(plain, bucket_cap_mb=SMALL)
+    x, y = batch(801, dev, dtype=torch.float32)
+    mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+    plain.double()
+    compiled = torch.compile(wrapped, backend="aot_eager")
+    errs = []
+    for step in range(2):
+        x, y = batch(802 + step, dev)
+        expected = averaged_grads(plain, lambda m, r: mse(m(shard(x, r)), shard(y, r)))
+        plain.zero_grad(set_to_none=True)
+        mse(compiled(shard(x, rank)), shard(y, rank)).backward()
+        errs.append(max((p.grad - e).abs().max().item()
+                        for p, e in zip(plain.parameters(), expected)))
+    out["converted_compiled_errs"] = errs
+    out["dtypes"] = sorted({str(p.grad.dtype) for p in plain.parameters()})
+    return out
+
+
 SCENARIOS = [
     ("equivalence", sc_equivalence),
     ("torch_ddp", sc_torch_ddp),
@@ -825,6 +859,7 @@ SCENARIOS = [
     ("side_stream", sc_side_stream),
     ("embedding_rows", sc_embedding_rows),
     ("join_hook", sc_join_hook),
+    ("unused_compile", sc_unused_compile),
 ]
 
 
@@ -1106,11 +1141,23 @@ def check_join_hook(runs: Dict[int, Dict[str, Any]]) -> None:
         assert r["hook_same"], r
 
 
+def check_unused_compile(runs: Dict[int, Dict[str, Any]]) -> None:
+    heads_c = ["head_c.bias", "head_c.weight"]
+    for r in result(runs, "unused_compile"):
+        # one rank uses head_a only; two use head_a and head_b between them
+        want = heads_c if len(runs) > 1 else ["head_b.bias", "head_b.weight"] + heads_c
+        assert r["none"] == want, r
+        assert r["unused_err"] < 1e-12, r
+        assert len(r["converted_compiled_errs"]) == 2, r
+        assert max(r["converted_compiled_errs"]) < 1e-12, r
+        assert r["dtypes"] == ["torch.float64"], r
+
+
 CHECKS = [("equivalence", check_equivalence), ("torch_ddp", check_torch_ddp),
           ("branches", check_branches), ("no_sync", check_no_sync), ("bf16", check_bf16),
           ("bf16_mixed", check_bf16_mixed), ("amp", check_amp), ("memory", check_memory),
           ("side_stream", check_side_stream), ("embedding_rows", check_embedding_rows),
-          ("join_hook", check_join_hook)]
+          ("join_hook", check_join_hook), ("unused_compile", check_unused_compile)]
 
 
 def check_on_cpu(world: int = 2) -> Dict[int, Dict[str, Any]]:
@@ -1164,6 +1211,10 @@ def test_embedding_lookups_exchanged_as_rows(runs):
 
 def test_join_with_uneven_inputs_and_torch_bf16_compress_hook(runs):
     check_join_hook(runs)
+
+def test_find_unused_parameters_conversion_and_compile(runs):
+    check_unused_compile(runs)
+
 
 def test_buckets_issued_by_the_posting_thread_and_default_bucket_size(runs):
     for rank, r in enumerate(result(runs, "issued")):

@@ -1186,7 +1186,8 @@ def test_find_unused_parameters_leaves_unused_gradients_none_as_torch_ddp(runs):
         assert len(r["warnings"]) == 1, r["warnings"]
         assert ("parameter(s) ('head_b.weight', 'head_b.bias', 'head_c.weight', ...) got no "
                 "gradient in this backward on rank") in r["warnings"][0], r["warnings"]
-        assert "Pass find_unused_parameters=True (as torch DDP needs here)" in r["warnings"][0]
+        assert ("Pass find_unused_parameters=True (as torch DDP needs when parameters go "
+                "unused)") in r["warnings"][0], r["warnings"]
 
 
 def test_torch_compile_of_the_wrapped_model_and_copies(runs):

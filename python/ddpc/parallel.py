@@ -930,11 +930,12 @@ class DistributedModel(torch.nn.Module):
             more = ", ..." if len(unused) > 3 else ""
             warnings.warn(
                 f"wrap_model: {len(unused)} parameter(s) ({names}{more}) "
-                f"got no gradient in this backward on rank {self._group.rank}: ddpc gave them a "
-                f"zero gradient, so an optimizer with momentum or weight decay still moves them. "
-                f"Pass find_unused_parameters=True (as torch DDP needs here) to leave the "
-                f"gradient of a parameter that no rank used as None; freeze parameters before "
-                f"wrap_model, not after", RuntimeWarning, stacklevel=2)
+                f"got no gradient in this backward on rank {self._group.rank}. This rank gave "
+                f"zeros for them; one that no rank used ends with a zero gradient, which an "
+                f"optimizer with momentum or weight decay still applies. Pass "
+                f"find_unused_parameters=True (as torch DDP needs when parameters go unused) "
+                f"to leave the gradient of a parameter that no rank used as None; freeze "
+                f"parameters before wrap_model, not after", RuntimeWarning, stacklevel=2)
         self._drop_wires()
         j = self._join
         if j is not None and j.counts is not None:
