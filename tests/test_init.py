@@ -152,6 +152,54 @@ def test_a_group_can_be_destroyed_and_initialized_again(slow_rank):
     assert sorted(out) == [("ok", 0, [3.0, 6.0, 9.0]), ("ok", 1, [3.0, 6.0, 9.0])], out
 
 
+def _leave_main(env, how, q):
+    """Rank 0 times its destroy_process_group (and keeps what it prints); rank 1 leaves `how`:
+    "exit" (os._exit without destroying) or "slow" (destroys 3 s late)."""
+    import io
+    import time
+    for k in LAUNCHER_VARS:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    import numpy as np
+    import ddpc as d
+    d.init_process_group(backend="cpu", timeout=30)
+    d.all_reduce(np.ones(1))
+    if d.get_rank() == 1:
+        if how == "exit":
+            q.put(("exiting", 1))
+            q.close()
+            q.join_thread()  # (os._exit would drop what the queue's thread has not sent)
+            os._exit(0)
+        time.sleep(3.0)
+        d.destroy_process_group()
+        q.put(("left", 1))
+        return
+    err, sys.stderr = sys.stderr, io.StringIO()
+    t0 = time.monotonic()
+    try:
+        d.destroy_process_group()
+    finally:
+        said, sys.stderr = sys.stderr.getvalue(), err
+    q.put(("destroyed", 0, time.monotonic() - t0, said))
+
+
+@pytest.mark.parametrize("how", ["exit", "slow"])
+def test_rank_0_waits_for_leavers_but_not_for_the_dead_and_says_so(how):
+    port = free_port()
+    envs = [dict(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                 DDPC_TOKEN="t-leave") for r in range(2)]
+    out = spawn_collect(_leave_main, [(env, how) for env in envs], 60)
+    _, _, took, said = next(o for o in out if o[0] == "destroyed")
+    if how == "exit":
+        assert took < 5.0, (took, said)  # (it waited the whole 10 s for a rank that had died)
+        assert said == "", said
+    else:
+        assert 2.5 < took < 9.0, took
+        assert said == ("ddpc: rank 0's destroy_process_group waits up to 10 s for rank(s) [1] "
+                        "to leave the group first: call destroy_process_group() on every "
+                        "rank\n"), said
+
+
 def test_a_stale_rendezvous_file_is_not_trusted_and_rank_0_removes_its_own(tmp_path):
     """A file:// rendezvous file left by an earlier run names a store that is gone: rank 1 must
     wait for rank 0's new one (it used to connect to the dead port until the timeout). Rank 0

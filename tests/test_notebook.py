@@ -475,6 +475,16 @@ try:
 except WorkerError as e:
     print("CONFLICT", str(e).splitlines()[0])
 
+import sys
+def exits(code):
+    ddpc.barrier()
+    sys.exit(code)  # spawn-style code ends so; 0 is a success, as under mp.spawn
+print("EXIT0", notebook_launcher(exits, args=(0,), nprocs=2))
+try:
+    notebook_launcher(exits, args=(3,), nprocs=2)
+except WorkerError as e:
+    print("EXIT3", str(e).splitlines()[0])
+
 ddpc.init_process_group(backend="cpu", rank=0, world_size=1)  # trying things in the notebook
 try:
     notebook_launcher(ddpc.get_rank, nprocs=2, start_method="fork")
@@ -486,7 +496,8 @@ except RuntimeError as e:
 @pytest.mark.timeout(120)
 def test_fn_that_makes_the_group_itself(tmp_path):
     """fn calling init_process_group (as mp.spawn code does) gets the launcher's group; a
-    conflicting call says to remove it; fork is refused once this process has a group."""
+    conflicting call says to remove it; sys.exit(0) in fn is a success, sys.exit(3) a failure;
+    fork is refused once this process has a group."""
     res = run_case(tmp_path, "init_again.py", INIT_AGAIN_CASE, DDPC_TIMEOUT="10")
     assert res.returncode == 0, res.stderr
     assert "AGAIN [2, 2]" in res.stdout, res.stdout + res.stderr
@@ -494,6 +505,8 @@ def test_fn_that_makes_the_group_itself(tmp_path):
                      r"rank's process group \(rank [01] of 2, backend 'cpu'\) before calling "
                      r"fn, .*world_size=1\), which conflicts with it: remove the call from fn",
                      res.stdout), res.stdout
+    assert "EXIT0 None" in res.stdout, res.stdout + res.stderr
+    assert re.search(r"EXIT3 .*rank [01].*SystemExit", res.stdout), res.stdout
     assert ("FORK start_method='fork': this process has a ddpc process group" in res.stdout
             and "ddpc.destroy_process_group() here first" in res.stdout), res.stdout
 

@@ -55,7 +55,12 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, job_dir: str,
         # fn may call init_process_group itself, as torch.multiprocessing.spawn code does:
         # that call then returns this group (see init_process_group).
         distributed._state.made_by_notebook_launcher = True  # type: ignore[union-attr]
-        result = fn(*args, **kwargs)
+        try:
+            result = fn(*args, **kwargs)
+        except SystemExit as e:
+            if e.code not in (0, None):
+                raise
+            result = None  # sys.exit(0) ends fn successfully, as under torch's mp.spawn
         destroy_process_group()
         if rank == 0 or return_all:
             try:

@@ -516,7 +516,8 @@ def _await_old_store(rank: int, timeout: float) -> None:
 
 def destroy_process_group(group: Any = None) -> None:
     """Leaves the process group and frees its resources. Rank 0, which serves the store, waits
-    (up to 10 s) for the other ranks to leave first so none of them loses the store mid-call."""
+    (up to 10 s, saying so after 2 s) for the other ranks to leave first so none of them loses
+    the store mid-call; not for a rank that exited or was killed without leaving."""
     global _state
     if group is not None and _state is not None and group is not _state.group:
         group.destroy()
@@ -530,18 +531,40 @@ def destroy_process_group(group: Any = None) -> None:
         if st.store is not None and st.group is not None and st.world_size > 1:
             st.group.destroy()
             st.group = None
-            st.store.add("ddpc/left", 1)
             if st.rank == 0:
-                deadline = time.monotonic() + 10.0
-                while st.store.add("ddpc/left", 0) < st.world_size and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                _await_leavers(st)
             else:
+                st.store.set(f"ddpc/left/{st.rank}", b"1")
                 _close_old_store()
                 _old_store, st.store = st.store, None
     except _C.DistributedError:
         pass  # a peer or the store is already gone: nothing left to coordinate with
     finally:
         _release(st)
+
+
+def _await_leavers(st: _State, limit_s: float = 10.0) -> None:
+    """Rank 0, which serves the store, waits for the other ranks to leave the group first (up
+    to limit_s), so none of them loses the store mid-call. A rank whose connection dropped
+    without a goodbye (it exited or was killed) is not waited for."""
+    start = time.monotonic()
+    pending = set(range(1, st.world_size))
+    said = False
+    next_check = 0.0
+    while pending and not st.store.check([f"ddpc/left/{r}" for r in sorted(pending)]):
+        waited = time.monotonic() - start
+        if waited >= limit_s:
+            return
+        if waited >= next_check:  # every 0.2 s: which ranks left, or are gone without leaving?
+            next_check = waited + 0.2
+            pending = {r for r in pending if not st.store.check([f"ddpc/left/{r}"])
+                       and not st.store.check([f"ddpc/dead/{r}"])}
+        if waited >= 2.0 and not said and pending:
+            said = True
+            print(f"ddpc: rank 0's destroy_process_group waits up to {limit_s:.0f} s for "
+                  f"rank(s) {sorted(pending)} to leave the group first: call "
+                  f"destroy_process_group() on every rank", file=sys.stderr, flush=True)
+        time.sleep(0.01)
 
 
 def _require() -> _State:
