@@ -460,6 +460,16 @@ def test_gpu_selection_through_nvidia_smi(tmp_path):
     (["--node-rank", "1", "ok.py"], "argument --node-rank: 1 is not below --nnodes 1"),
     (["--master-port", "70000", "ok.py"], "argument --master-port"),
     (["--timeout-kill", "-1", "ok.py"], "argument --timeout-kill"),
+    # A stop must end: a rank that ignores SIGTERM gets SIGKILL after at most an hour.
+    (["--timeout-kill", "inf", "ok.py"], "expected a number of seconds above 0 and at most 3600"),
+    (["--timeout-kill", "nan", "ok.py"], "argument --timeout-kill/--timeout_kill: expected"),
+    (["--timeout-kill", "1e300", "ok.py"], "at most 3600 (how long ranks get to exit"),
+    (["--timeout-kill", "0", "ok.py"], "got '0'"),
+    (["-m", "os.nonexistent"], "no module named 'os.nonexistent': 'os' is a module"),
+    (["-m", "json.nonexistent"], "package 'json' ("),
+    (["-m", "no_such_pkg_xyz.train"], "no module named 'no_such_pkg_xyz.train': there is no "
+                                      "package 'no_such_pkg_xyz'"),
+    (["-m", "mypkg..train"], "'mypkg..train' is not a module name"),
     (["--nnodes", "1:2", "ok.py"], "'1:2' is an elastic range, and ddpc runs a fixed number"),
     (["--rdzv-backend", "etcd", "ok.py"], "argument --rdzv-backend: 'etcd' is not supported"),
     (["--rdzv-endpoint", "h0:x", "ok.py"], "argument --rdzv-endpoint/--rdzv_endpoint: expected"),
@@ -473,6 +483,43 @@ def test_bad_arguments_are_named(tmp_path, args, message):
     assert rc == 2
     assert message in err
     assert "ran" not in out
+
+
+def test_a_missing_script_or_module_says_what_is_missing(tmp_path):
+    """-m with nothing after it asks for a module name; no arguments at all ask for the script;
+    neither says its arguments are required (they are not)."""
+    rc, _, err, _ = launch(["--nproc-per-node", "2", "-m"], tmp_path)
+    assert rc == 2
+    assert "argument -m/--module: expected a module name after -m" in err, err
+    assert "script_args" not in err
+    rc, _, err, _ = launch([], tmp_path)
+    assert rc == 2
+    assert err.rstrip().endswith("the following arguments are required: script.py|module"), err
+
+
+def test_a_misspelt_submodule_is_refused_without_running_the_package(tmp_path):
+    """-m pkg.typo: refused before any rank starts, naming the module and the package's
+    directory, and without importing the package in the launcher (its __init__ is user code).
+    A package whose __init__ could provide submodules some other way is left to the ranks."""
+    for pkg, init in (("mypkg", "open('imported', 'w').close()\n"),
+                      ("extended", "import pkgutil\n__path__ = pkgutil.extend_path(__path__, "
+                                   "__name__)\n")):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text(init)
+        write(tmp_path / pkg, "train.py", "print('ran')\n")
+    (tmp_path / "nspkg").mkdir()  # a namespace package: no __init__ at all
+    write(tmp_path / "nspkg", "train.py", "print('ran')\n")
+    for module, where in (("mypkg.trian", "mypkg"), ("nspkg.trian", "nspkg")):
+        rc, out, err, _ = launch(["--nproc-per-node", "2", "-m", module], tmp_path)
+        assert rc == 2, (rc, out, err)
+        assert (f"argument -m/--module: no module named '{module}': package '{where}' "
+                f"({tmp_path / where}) has no module or subpackage 'trian'") in err, err
+        assert "ran" not in out
+        assert not (tmp_path / "imported").exists(), "the launcher ran the package's __init__"
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "-m", "nspkg.train"], tmp_path)
+    assert rc == 0 and "[rank1]: ran" in out, err
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "-m", "extended.trian"], tmp_path)
+    assert rc == 1 and "No module named extended.trian" in err, err
 
 
 class _FailsWhileWatched:
@@ -653,14 +700,28 @@ def test_log_dir_keeps_each_rank_and_attempt(tmp_path):
         assert "ValueError: rank 1 fails every time" in \
             (base / "rank1" / "stderr.log").read_text()
         assert "rank 1 (local rank 1" in (base / "summary.log").read_text()
-    # A directory that cannot be written: the job runs, the console says why.
-    for marker in tmp_path.glob("printed-*"):
-        marker.unlink()
+
+
+def test_log_dir_is_checked_before_the_ranks_start(tmp_path):
+    """A --log-dir that cannot be a directory stops the launch before any rank starts; an
+    empty one means no log directory, as in torchrun (it used to write into ./attempt_0)."""
+    write(tmp_path, "mark.py", """
+        import os
+        open(f"ran{os.environ['RANK']}", "w").close()
+    """)
     (tmp_path / "blocked").write_text("a file, not a directory")
-    rc, out, err, _ = launch(["--nproc-per-node", "2", "--log-dir", "blocked", "logs.py"],
-                             tmp_path)
-    assert rc == 1 and "[rank0]: out of rank 0, attempt 0" in out
-    assert "cannot write blocked/attempt_0/rank0/stdout.log" in err
+    for log_dir, message in (
+            ("blocked", "argument --log-dir: 'blocked' is a file, not a directory"),
+            ("blocked/sub", "argument --log-dir: cannot create 'blocked/sub': Not a directory")):
+        rc, out, err, _ = launch(["--nproc-per-node", "2", "--log-dir", log_dir, "mark.py"],
+                                 tmp_path)
+        assert rc == 2, (rc, out, err)
+        assert message in err, err
+        assert not list(tmp_path.glob("ran*")), "a rank started"
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "--log-dir", "", "mark.py"], tmp_path)
+    assert rc == 0, err
+    assert sorted(p.name for p in tmp_path.glob("ran*")) == ["ran0", "ran1"]
+    assert not (tmp_path / "attempt_0").exists()
 
 
 # Rank 2 never joins. Rank 0 times out (2 s) and stops serving the store, so rank 1 (which would

@@ -40,6 +40,7 @@ STACK_LINES = 40             # stack lines kept per rank for the failure summary
 MAX_LOCAL_RANKS = 65536      # more processes than any one machine runs: a typo, not a job
 MAX_WORLD_SIZE = 2 ** 31 - 1  # ranks are 32-bit in the process group
 FAILURE_WINDOW_S = 1.0       # failures this close together are one event: the cause is picked
+MAX_TIMEOUT_KILL_S = 3600.0  # --timeout-kill's bound: stopping a rank that ignores SIGTERM ends
 
 SIGNAL_HINTS = {
     "SIGKILL": "likely the out-of-memory killer: check dmesg / lower the batch size",
@@ -916,7 +917,10 @@ def _checked(convert: Callable[[str], Any], valid: Callable[[Any], bool],
 
 _positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
 _nonneg_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
-_nonneg_float = _checked(float, lambda v: v >= 0, "a number of seconds >= 0")  # NaN fails too
+# NaN fails the comparison too; inf or 1e300 would leave a rank that ignores SIGTERM running.
+_timeout_kill = _checked(float, lambda v: 0 < v <= MAX_TIMEOUT_KILL_S,
+                         f"a number of seconds above 0 and at most {MAX_TIMEOUT_KILL_S:g} (how "
+                         f"long ranks get to exit after SIGTERM/SIGINT before SIGKILL)")
 _port = _checked(int, lambda v: 1 <= v <= 65535, "a TCP port in 1..65535")
 _nproc = _checked(lambda t: None if t in ("auto", "gpu") else int(t),
                   lambda v: v is None or 1 <= v <= MAX_LOCAL_RANKS,
@@ -968,8 +972,25 @@ def _endpoint(text: str) -> tuple[str, int | None]:
     return host, port
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that -m with nothing after it asks for a module name (argparse would
+    say that the script and its arguments are missing)."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        # Kept so that error() can see whether -m was given (or PET_MODULE=1 set).
+        self._namespace = argparse.Namespace() if namespace is None else namespace
+        return super().parse_known_args(args, self._namespace)
+
+    def error(self, message: str) -> Any:
+        if (message.startswith("the following arguments are required: script.py|module")
+                and getattr(getattr(self, "_namespace", None), "module", False)):
+            message = ("argument -m/--module: expected a module name after -m (as in python -m), "
+                       "e.g. -m mypkg.train")
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m ddpc.launch", allow_abbrev=False,
         description="Start one process per rank with torchrun's environment variables (RANK, "
                     "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), prefix their output with the "
@@ -1001,15 +1022,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", default=None, metavar="2,3|auto",
                    help="physical GPU indices for the ranks (sets CUDA_VISIBLE_DEVICES), or auto: "
                    "the idle GPUs with the most free memory (needs nvidia-smi)")
-    p.add_argument("--timeout-kill", "--timeout_kill", type=_nonneg_float, default=5.0,
+    p.add_argument("--timeout-kill", "--timeout_kill", type=_timeout_kill, default=5.0,
                    metavar="S", help="seconds between SIGTERM/SIGINT and SIGKILL when stopping "
-                   "ranks (default 5)")
+                   f"ranks (default 5, at most {MAX_TIMEOUT_KILL_S:g})")
     p.add_argument("--run-id", "--run_id", default=None,
                    help="TORCHELASTIC_RUN_ID (default: random on one node, 'none' across nodes)")
     p.add_argument("--log-dir", "--log_dir", default=None, metavar="DIR",
                    help="also write each rank's output to DIR/attempt_K/rankR/stdout.log and "
                    "stderr.log (K: the restart), and a failure's summary to "
-                   "DIR/attempt_K/summary.log")
+                   "DIR/attempt_K/summary.log; DIR is created before the ranks start. An empty "
+                   "DIR (or /dev/null) means no log files, as in torchrun")
     p.add_argument("--standalone", action="store_true",
                    help="accepted for torchrun compatibility: one node is the default")
     rdzv = p.add_argument_group("torchrun's rendezvous flags, accepted so its commands carry over")
@@ -1034,7 +1056,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--module", action="store_true",
                    help="run the target as a module, like python -m")
     p.add_argument("script", metavar="script.py|module", help="what each rank runs")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    script_args = p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    script_args.required = False  # it may be empty: not named when the script is missing
     return p
 
 
@@ -1073,19 +1096,97 @@ def pet_defaults(parser: argparse.ArgumentParser, environ: Any) -> list[str]:
     return notes
 
 
+# Source text by which a package's __init__ (or a module) can make submodules that are not files
+# in its directory: then only running it could tell whether one exists.
+_DYNAMIC_SUBMODULE_HINTS = ("__path__", "sys.modules", "meta_path", "path_hooks",
+                            "declare_namespace")
+
+
+def _may_add_submodules(spec: Any) -> bool:
+    """Could running this module or package's code make submodules its directories lack?"""
+    if spec.loader is None and spec.origin is None:
+        return False  # a namespace package: no code of its own
+    try:
+        source = spec.loader.get_source(spec.name)
+    except Exception:  # any loader's failure means the same here: the source cannot be read
+        return True
+    return source is None or any(hint in source for hint in _DYNAMIC_SUBMODULE_HINTS)
+
+
+def _submodule_spec(name: str, locations: Any) -> Any:
+    """What import would find for `name` in its (not imported) package's directories: the spec,
+    None, or True when a finder failed (it cannot be told)."""
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            continue
+        try:
+            spec = find(name, list(locations))
+        except Exception:  # a third-party finder's failure: leave the answer to the ranks
+            return True
+        if spec is not None:
+            return spec
+    return None
+
+
+def module_problem(name: str) -> str | None:
+    """Why `python -m name` would find no module, or None when it may find one. Only finders are
+    asked: importlib.util.find_spec("pkg.sub") would import pkg, running the user's __init__ in
+    the launcher (its side effects, such as CUDA or threads, and once more than expected). So a
+    submodule is looked up in its package's directories as import would; when the package (or a
+    module) could make submodules some other way (its source mentions __path__, sys.modules,
+    ...; or it has no source), nothing is refused and the ranks find out."""
+    parts = name.split(".")
+    if not all(parts):
+        return (f"{name!r} is not a module name (python -m takes a full dotted name such as "
+                f"mypkg.train)")
+    try:
+        spec = importlib.util.find_spec(parts[0])  # top level: imports nothing
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        there = f": there is no package {parts[0]!r}" if len(parts) > 1 else ""
+        return (f"no module named {name!r}{there} (sys.path starts with the working directory "
+                f"{os.getcwd()})")
+    for i in range(1, len(parts)):
+        parent, child = ".".join(parts[:i]), ".".join(parts[:i + 1])
+        if parent in sys.modules:  # imported here already (os, json): asking runs nothing new
+            try:
+                sub = importlib.util.find_spec(child)
+            except ImportError:
+                sub = None
+            except ValueError:  # a module without __spec__ in sys.modules
+                return None
+        elif _may_add_submodules(spec):
+            return None
+        elif spec.submodule_search_locations is None:
+            sub = None
+        else:
+            sub = _submodule_spec(child, spec.submodule_search_locations)
+            if sub is True:
+                return None
+        if sub is None:
+            if spec.submodule_search_locations is None:
+                origin = f" ({spec.origin})" if os.path.isabs(spec.origin or "") else ""
+                return (f"no module named {name!r}: {parent!r} is a module{origin}, not a "
+                        f"package, so it has no submodules")
+            where = ", ".join(spec.submodule_search_locations)
+            return (f"no module named {name!r}: package {parent!r} ({where}) has no module or "
+                    f"subpackage {parts[i]!r}")
+        spec = sub
+    return None
+
+
 def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchConfig:
     """Checks the arguments against each other and the machine; exits via parser.error."""
     for flag, advice in TORCHRUN_ONLY.items():
         if getattr(args, f"torchrun_{flag[2:].replace('-', '_')}") not in (None, False):
             parser.error(f"argument {flag}: torchrun's flag is not supported: {advice}")
     if args.module:
-        try:
-            found = importlib.util.find_spec(args.script.split(".")[0]) is not None
-        except (ValueError, ImportError):
-            found = False
-        if not found:
-            parser.error(f"argument -m/--module: no module named {args.script!r} (sys.path "
-                         f"starts with the working directory {os.getcwd()})")
+        problem = module_problem(args.script)
+        if problem:
+            parser.error(f"argument -m/--module: {problem}; check the spelling (and that "
+                         f"the package is installed or in the working directory)")
         target = ["-m", args.script] + args.script_args
     else:
         if os.path.isdir(args.script):
@@ -1097,6 +1198,20 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Launch
             parser.error(f"argument script.py: {args.script!r} not found (working directory "
                          f"{os.getcwd()}); to run a module use -m")
         target = [args.script] + args.script_args
+    if args.log_dir in ("", os.devnull):
+        args.log_dir = None  # torchrun's meaning of both: no log files
+    if args.log_dir is not None:
+        if os.path.exists(args.log_dir) and not os.path.isdir(args.log_dir):
+            parser.error(f"argument --log-dir: {args.log_dir!r} is a file, not a directory: "
+                         f"name a directory (it is created if missing)")
+        try:
+            os.makedirs(args.log_dir, exist_ok=True)
+        except OSError as e:
+            parser.error(f"argument --log-dir: cannot create {args.log_dir!r}: "
+                         f"{e.strerror or e}: name a directory that can be created")
+        if not os.access(args.log_dir, os.W_OK | os.X_OK):
+            parser.error(f"argument --log-dir: cannot write in {args.log_dir!r} (permission "
+                         f"denied): name a directory you can write in")
     if args.rdzv_backend is not None and args.rdzv_backend not in ("c10d", "static"):
         parser.error(f"argument --rdzv-backend: {args.rdzv_backend!r} is not supported: ddpc "
                      f"serves the rendezvous store from rank 0 itself (c10d's role); use c10d or "
