@@ -1443,6 +1443,10 @@ typedef struct {
     PyObject *current_stream; /* callable(device) -> the current stream's handle, or NULL */
     PyObject *need_wire;    /* callable(index): gives parameter index's bucket its wire buffer */
     PyObject *need_memory;  /* callable(index, grad): gives a released bucket memory again */
+    PyObject *strided;      /* bytes or NULL: strided[i] != 0 when parameter i's slot has its
+                             * parameter's strides and is not contiguous (channels_last): a
+                             * gradient cannot be copied into it as one block, so it takes the
+                             * Python path */
     int device;             /* the CUDA device of the parameters, -1 on the host */
     unsigned long long stream;
     char fast;              /* a synced backward is running and its end is queued */
@@ -1472,6 +1476,7 @@ static int GradHooks_traverse(GradHooksObject *self, visitproc visit, void *arg)
     Py_VISIT(self->current_stream);
     Py_VISIT(self->need_wire);
     Py_VISIT(self->need_memory);
+    Py_VISIT(self->strided);
     Py_VISIT(Py_TYPE(self));
     return 0;
 }
@@ -1485,6 +1490,7 @@ static int GradHooks_clear(GradHooksObject *self) {
     Py_CLEAR(self->current_stream);
     Py_CLEAR(self->need_wire);
     Py_CLEAR(self->need_memory);
+    Py_CLEAR(self->strided);
     return 0;
 }
 
@@ -1624,6 +1630,9 @@ static PyMemberDef GradHooks_members[] = {
      "host nanoseconds of hook_ns spent pointing .grad at the slots of copied gradients"},
     {"slow_ns", T_ULONGLONG, offsetof(GradHooksObject, slow_ns), 0,
      "host nanoseconds of hook_ns spent in the Python path (slow)"},
+    {"strided", T_OBJECT, offsetof(GradHooksObject, strided), 0,
+     "bytes: a nonzero byte i sends parameter i's gradients down the Python path (its slot is "
+     "not contiguous), or None"},
     {"to_wire", T_BOOL, offsetof(GradHooksObject, to_wire), 0,
      "True (the default): a fresh gradient of a bucket reduced in another dtype is cast to the "
      "wire from where it lies; False: copied into its bucket slot first (for comparisons)"},
@@ -1811,6 +1820,11 @@ static PyObject *GradHook_run(GradHookObject *self, PyObject *args, PyObject *kw
         if (i >= r->nparams) {
             PyErr_Format(PyExc_ValueError, "gradient hook %zd: the reducer has %d parameters", i,
                          r->nparams);
+            goto done;
+        }
+        if (h->strided && PyBytes_Check(h->strided) && i < PyBytes_GET_SIZE(h->strided) &&
+            PyBytes_AS_STRING(h->strided)[i]) {
+            handled = 0; /* (a strided slot: see GradHooksObject.strided) */
             goto done;
         }
         /* A bucket that goes over the wire in another dtype gets its wire buffer when its first

@@ -67,6 +67,39 @@ def sc_saved_whole(rank):
             "grad": copy.emb.weight.grad is not None and bool(copy.emb.weight.grad.abs().sum())}
 
 
+def sc_weight_hook(rank):
+    """A hook on the embedding weight's gradient (here: train only rows 0-5, a usual way to
+    tune new tokens) sees the lookups' gradient too: a routed lookup added its rows after every
+    hook ran, so the masked rows moved. Such a call stays a plain lookup; the result matches
+    one process training the combined batch."""
+    import ddpc
+    torch.manual_seed(0)
+    model = Twice(1)
+    ref = Twice(1)
+    wrapped = ddpc.wrap_model(model)
+    ref.load_state_dict(model.state_dict())
+    mask = torch.zeros(13, 1)
+    mask[:6] = 1.0
+    for m in (model, ref):
+        m.emb.weight.register_hook(lambda g: g * mask)
+    before = model.emb.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, 13, (4, 5), generator=g)
+        opt.zero_grad()
+        wrapped(tokens[2 * rank:2 * rank + 2]).square().mean().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        # (the mean over ranks of each rank's mean over its half: the mean over the batch)
+        ref(tokens).square().mean().backward()
+        ref_opt.step()
+    w = model.emb.weight.detach()
+    return {"masked_moved": (w[6:] - before[6:]).abs().max().item(),
+            "err": (w - ref.emb.weight.detach()).abs().max().item()}
+
+
 def _worker(rank, port, results):
     os.environ["DDPC_TOKEN"] = "test-embedding-rows"
     os.environ["DDPC_EMBEDDING_ROWS"] = "1"  # (auto routes only nccl through host memory)
@@ -76,8 +109,8 @@ def _worker(rank, port, results):
     ddpc.init_process_group(backend="cpu", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=TIMEOUT)
     # (out_of_step last: it aborts the group)
-    report_scenarios([("saved_whole", sc_saved_whole), ("out_of_step", sc_out_of_step)], rank,
-                     results)
+    report_scenarios([("saved_whole", sc_saved_whole), ("weight_hook", sc_weight_hook),
+                      ("out_of_step", sc_out_of_step)], rank, results)
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +123,15 @@ def test_a_routed_module_saved_whole_loads_and_trains_alone(runs):
         status, value = runs[rank]["saved_whole"]
         assert status == "ok", value
         assert value == {"routes": 1, "same": True, "grad": True}, value
+
+
+def test_a_hook_on_the_weight_sees_the_lookups_gradient(runs):
+    for rank in (0, 1):
+        status, value = runs[rank]["weight_hook"]
+        assert status == "ok", value
+        # (the hook masks the weight's whole gradient, the tied projection's part too)
+        assert value["masked_moved"] == 0.0, value
+        assert value["err"] < 1e-6, value
 
 
 def test_ranks_out_of_step_raise_and_name_the_lookup(runs):

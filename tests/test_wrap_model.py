@@ -293,6 +293,25 @@ def sc_unused(rank):
     out["plain_zero"] = all(p.grad is not None and not p.grad.any()
                             for p in ddpc.unwrap(plain).head_c.parameters())
     out["warnings"] = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    # frozen after the wrap (torch DDP raises at the next forward): grad None, as without ddpc,
+    # so AdamW leaves it alone (its zero gradient used to be decayed and pushed by momentum)
+    fm = make(Branchy, rank, torch.float64)
+    fw = ddpc.wrap_model(fm, bucket_cap_mb=SMALL)
+    opt = torch.optim.AdamW(fm.parameters(), lr=0.1, weight_decay=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            if step == 1:
+                fm.trunk.requires_grad_(False)
+                before = [p.detach().clone() for p in fm.trunk.parameters()]
+            x, y = batch(330 + step)
+            opt.zero_grad()
+            mse(fw(shard(x, rank), 0), shard(y, rank)).backward()
+            opt.step()
+    out["frozen_none"] = all(p.grad is None for p in fm.trunk.parameters())
+    out["frozen_moved"] = max((p - b).abs().max().item()
+                              for p, b in zip(fm.trunk.parameters(), before))
+    out["frozen_warned"] = any("trunk" in str(w.message) for w in caught)
     return out
 
 
@@ -806,8 +825,32 @@ def sc_memory_format(rank):
             mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
         errs.append(max((p.grad - e / WORLD).abs().max().item()
                         for p, e in zip(model.parameters(), expected)))
-    return {"errs": errs, "channels_last": model.conv.weight.is_contiguous(
+    out = {"errs": errs, "channels_last": model.conv.weight.is_contiguous(
         memory_format=torch.channels_last)}
+    # A model in channels_last from the start: each gradient has its parameter's strides, as
+    # torch DDP's bucket views do, so a fused optimizer, which reads a parameter and its
+    # gradient as flat memory, updates the right elements (it silently did not).
+    model = make(SmallConv, rank, torch.float64).to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(model)  # (rank 0's after the wrap: compared below)
+    wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, fused=True)
+    for step in range(3):
+        g = torch.Generator().manual_seed(90 + step)
+        x = torch.randn(WORLD * B, 2, 5, 5, generator=g, dtype=torch.float64)
+        y = torch.randn(WORLD * B, 3, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        mse(wrapped(shard(x, rank).contiguous(memory_format=torch.channels_last)),
+            shard(y, rank)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        mse(ref(x.contiguous(memory_format=torch.channels_last)), y).backward()
+        ref_opt.step()
+    out["strides_match"] = all(p.grad.stride() == p.stride() for p in model.parameters())
+    out["fused_err"] = max((p - q).abs().max().item()
+                           for p, q in zip(model.parameters(), ref.parameters()))
+    return out
 
 
 class _Boom(torch.autograd.Function):
@@ -1188,6 +1231,7 @@ def test_find_unused_parameters_leaves_unused_gradients_none_as_torch_ddp(runs):
                 "gradient in this backward on rank") in r["warnings"][0], r["warnings"]
         assert ("Pass find_unused_parameters=True (as torch DDP needs when parameters go "
                 "unused)") in r["warnings"][0], r["warnings"]
+        assert r["frozen_none"] and r["frozen_moved"] == 0.0 and not r["frozen_warned"], r
 
 
 def test_torch_compile_of_the_wrapped_model_and_copies(runs):
@@ -1360,10 +1404,12 @@ def test_autocast_gradscaler_clip_identical_on_every_rank(runs):
     assert r0["norms"][0] > 0
 
 
-def test_memory_format_change_after_wrap_still_averages(runs):
+def test_memory_format_change_after_wrap_still_averages_and_grads_keep_param_strides(runs):
     for r in result(runs, "memory_format"):
         assert r["channels_last"]
         assert max(r["errs"]) < 1e-12, r["errs"]
+        assert r["strides_match"], r
+        assert r["fused_err"] < 1e-10, r
 
 
 def test_forward_after_a_failed_backward_reports_it_even_under_no_sync(runs):

@@ -112,6 +112,20 @@ def _first_difference(a: List[Tuple[str, str]], b: List[Tuple[str, str]], ra: in
     return f"ranks {ra} and {rb} describe their parameters differently"
 
 
+def _slot_strides(p: torch.Tensor) -> Tuple[int, ...]:
+    """The strides of parameter p's gradient slot: p's own when p is dense and non-overlapping
+    (channels_last, a transposed weight), as torch DDP's bucket views: a fused optimizer reads a
+    parameter and its gradient as flat memory, element by element, so their layouts must agree.
+    Otherwise row-major."""
+    order = sorted((st, n) for st, n in zip(p.stride(), p.shape) if n != 1)
+    step = 1
+    for st, n in order:
+        if st != step:
+            return _contiguous_strides(p.shape)
+        step *= n
+    return tuple(p.stride())
+
+
 def _contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
     out, step = [], 1
     for n in reversed(shape):
@@ -453,6 +467,11 @@ class DistributedModel(torch.nn.Module):
         route = self._routes[r]
         if not route.on or len(args) != 1 or not isinstance(args[0], torch.Tensor):
             return None
+        if route.module.weight._backward_hooks:
+            # A hook on the weight's gradient (weight.register_hook(lambda g: g * mask), to train
+            # some rows only) must see the lookups' gradient too: the routed rows would be added
+            # after every hook ran. This call stays a plain lookup.
+            return None
         return _rows.lookup(route, args[0], self._anchor, self._rows_store, self._rows_prefix,
                             self._group.rank, self._rows_step, self._calls)
 
@@ -514,7 +533,11 @@ class DistributedModel(torch.nn.Module):
             wires.append(_DTYPE_OF_CODE[comm_code] if comm_code >= 0 else None)
         offsets, bucket_of = [], []
         self._shapes = [tuple(p.shape) for p in params]
-        self._strides = [_contiguous_strides(p.shape) for p in params]
+        self._strides = [_slot_strides(p) for p in params]
+        # (a slot in its parameter's order that is not row-major: the C hooks leave its
+        # gradients to the Python path, which copies them element by element)
+        self._strided = bytes(0 if st == _contiguous_strides(p.shape) else 1
+                              for st, p in zip(self._strides, params))
         members: List[List[int]] = [[] for _ in specs]
         for i in range(len(params)):
             b, off = reducer.param_slot(i)
@@ -733,6 +756,7 @@ class DistributedModel(torch.nn.Module):
             return
         h.reducer = self._reducer
         h.views = self._views
+        h.strided = self._strided
         h.stream = self._fwd_stream
         h.fast = fast
 
@@ -837,7 +861,8 @@ class DistributedModel(torch.nn.Module):
                 for i in idx:
                     self._views[i].zero_()
             for i in idx:
-                self._params[i].grad = self._views[i]
+                if self._params[i].requires_grad:  # (frozen since the wrap: stays None)
+                    self._params[i].grad = self._views[i]
 
     def _arm(self) -> None:
         # Reset before prepare(), which raises when the previous backward never finished.
@@ -893,7 +918,8 @@ class DistributedModel(torch.nn.Module):
         # Unused this step: no gradient arrived, and none was there when the step's forward
         # began (a gradient accumulated under no_sync counts as a use, as in torch DDP).
         unused = [i for i in unready if i not in routed and (
-            i in self._none_at_forward if self._find_unused else self._params[i].grad is None)]
+            i in self._none_at_forward if self._find_unused else
+            self._params[i].grad is None and self._params[i].requires_grad)]
         for b in sorted({self._bucket_of[i] for i in unready}):
             if self._buckets[b] is None or self._parked[b]:
                 # Some gradients of this bucket never arrived on this rank, but every rank
@@ -905,8 +931,10 @@ class DistributedModel(torch.nn.Module):
             p, view = self._params[i], self._views[i]
             g = p.grad
             if g is None:
-                # Unused this step: the reducer zeroes the slot.
-                p.grad = view
+                # Unused this step: the reducer zeroes the slot. A parameter frozen since the wrap
+                # keeps grad None, as it would without ddpc (optimizers skip it).
+                if p.requires_grad:
+                    p.grad = view
                 continue
             if g is not view:
                 with torch.no_grad():
