@@ -133,18 +133,50 @@ def train(epochs: int = 30, batch_size: int = 32, lr: float = 2e-3, seed: int = 
     return metrics
 
 
+def _number(kind: type, least: float, what: str) -> Any:
+    """An argparse type: a finite number of `kind` that is at least `least`."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not np.isfinite(value) or value < least:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+def _writable_folder(path: str) -> str:
+    """--out: '' (no checkpoint) or a folder that can be made and written, checked before
+    training rather than after it."""
+    if path:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"cannot make the checkpoint folder {path!r}: "
+                                             f"{e.strerror}; pass another, or '' for none")
+        if not os.access(path, os.W_OK):
+            raise argparse.ArgumentTypeError(f"the checkpoint folder {path!r} is not writable; "
+                                             f"pass another, or '' for none")
+    return path
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--epochs", type=_number(int, 1, "a whole number of epochs >= 1"), default=30)
+    p.add_argument("--batch-size", type=_number(int, 1, "a batch size >= 1"), default=32,
+                   help="per rank")
+    p.add_argument("--lr", type=_number(float, 1e-300, "a learning rate > 0"), default=2e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/finetune", help="checkpoint folder ('' for none)")
-    p.add_argument("--max-steps", type=int, default=0, help="stop early (0: all epochs)")
+    p.add_argument("--out", type=_writable_folder, default="runs/finetune",
+                   help="checkpoint folder ('' for none)")
+    p.add_argument("--max-steps", type=_number(int, 0, "a step count >= 0"), default=0,
+                   help="stop early (0: all epochs)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--grad-dtype", choices=["bfloat16", "float16"], default=None,
                    help="reduce gradients in this dtype")
-    p.add_argument("--min-accuracy", type=float, default=0.0,
+    p.add_argument("--min-accuracy", type=_number(float, 0.0, "an accuracy from 0 to 1"),
+                   default=0.0,
                    help="exit non-zero when the held-out accuracy is below this")
     args = p.parse_args(argv)
     ddpc.init_process_group()

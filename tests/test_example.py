@@ -31,6 +31,25 @@ def test_finetune_example_two_ranks(tmp_path):
     assert ckpt["metrics"]["accuracy"] >= 0.9
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--batch-size", "0"], "argument --batch-size: expected a batch size >= 1, got '0'"),
+    (["--lr", "nan"], "argument --lr: expected a learning rate > 0, got 'nan'"),
+    (["--out", "/proc/ddpc-no-such"], "argument --out: cannot make the checkpoint folder "
+                                      "'/proc/ddpc-no-such'"),
+])
+def test_finetune_example_refuses_bad_arguments_before_training(tmp_path, args, message):
+    """Each rank refuses them at once, and the launcher's summary quotes the reason (they used to
+    fail inside torch, or, for --out, after the whole training)."""
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    r = subprocess.run(
+        [sys.executable, "-m", "ddpc.launch", "--nproc-per-node", "2",
+         os.path.join(ROOT, "examples", "finetune.py"), "--no-progress"] + args,
+        capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr, r.stderr
+    assert "held-out accuracy" not in r.stdout
+
+
 def test_torch_ddp_script_switched_by_its_imports(tmp_path):
     """examples/from_torch_ddp.py: torch DDP code whose only change is two import lines."""
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
