@@ -312,6 +312,22 @@ def sc_unused(rank):
     out["frozen_moved"] = max((p - b).abs().max().item()
                               for p, b in zip(fm.trunk.parameters(), before))
     out["frozen_warned"] = any("trunk" in str(w.message) for w in caught)
+    # frozen at the wrap and unfrozen later (torch DDP trains it unaveraged, silently): the
+    # synced backward that gives it a gradient says so; wrapped again, it is averaged
+    um = make(MLP, rank, torch.float64)
+    um.fc1.requires_grad_(False)
+    uw = ddpc.wrap_model(um, bucket_cap_mb=SMALL)
+    x, y = batch(340)
+    mse(uw(shard(x, rank)), shard(y, rank)).backward()
+    um.fc1.requires_grad_(True)
+    x, y = batch(341)
+    try:
+        mse(uw(shard(x, rank)), shard(y, rank)).backward()
+        out["unfrozen"] = None
+    except RuntimeError as e:
+        out["unfrozen"] = str(e)
+    uw = ddpc.wrap_model(ddpc.unwrap(uw), bucket_cap_mb=SMALL)
+    out["rewrapped_err"] = averaged_step_error(um, uw, *batch(342), rank)
     return out
 
 
@@ -1232,6 +1248,11 @@ def test_find_unused_parameters_leaves_unused_gradients_none_as_torch_ddp(runs):
         assert ("Pass find_unused_parameters=True (as torch DDP needs when parameters go "
                 "unused)") in r["warnings"][0], r["warnings"]
         assert r["frozen_none"] and r["frozen_moved"] == 0.0 and not r["frozen_warned"], r
+        assert r["unfrozen"] is not None and r["unfrozen"].startswith(
+            "parameter 'fc1.") and ("was frozen (requires_grad=False) when the model was "
+                                    "wrapped, so ddpc does not average its gradient") in \
+            r["unfrozen"], r
+        assert r["rewrapped_err"] < 1e-12, r
 
 
 def test_torch_compile_of_the_wrapped_model_and_copies(runs):

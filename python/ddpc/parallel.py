@@ -318,6 +318,18 @@ class _Sink(torch.autograd.Function):
         return (None,) + grads
 
 
+def _unfrozen_hook(ref: Any, name: str) -> Any:
+    def hook(p: torch.Tensor) -> None:
+        model = ref()
+        if model is not None and model._active:  # (a synced backward of this wrapper)
+            raise RuntimeError(
+                f"parameter '{name}' was frozen (requires_grad=False) when the model was "
+                f"wrapped, so ddpc does not average its gradient, and it now gets one: it "
+                f"would train on each rank's own data. Wrap again after unfreezing, on every "
+                f"rank: model = ddpc.wrap_model(ddpc.unwrap(model))")
+    return hook
+
+
 class _JoinState:
     """What join() holds while its block runs."""
 
@@ -421,6 +433,19 @@ class DistributedModel(torch.nn.Module):
         handles = [p.register_post_accumulate_grad_hook(_C.GradHook(self._grad_hooks, i))
                    for i, p in enumerate(self._params)]
         handles += self._route_embeddings()
+        # Parameters frozen at the wrap are not reduced: one unfrozen later would train on each
+        # rank's own gradient. A hook on each (it runs only if one gets a gradient) says so.
+        reduced = {id(p) for p in self._params}
+        seen = set()
+        for name, p in module.named_parameters():
+            if id(p) not in reduced and id(p) not in seen and p.is_leaf:
+                seen.add(id(p))
+                p.requires_grad_(True)  # (torch takes hooks only on tensors that require grad)
+                try:
+                    handles.append(p.register_post_accumulate_grad_hook(
+                        _unfrozen_hook(weakref.ref(self), name)))
+                finally:
+                    p.requires_grad_(False)
         # Once the wrapper is gone, its module trains alone again, without dead hooks.
         weakref.finalize(self, _remove_hooks, handles)
         self._register_load_state_dict_pre_hook(_nested_load_hook, with_module=True)
