@@ -310,9 +310,7 @@ class _Sink(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Any, ...]:
-        owner = ctx.owner
-        # (torch.compile of the wrapper hands the module itself over instead of the weakref)
-        model = owner() if isinstance(owner, weakref.ref) else owner
+        model = ctx.owner()
         if model is not None:
             model._queue_finalize(rearm=True)
         return (None,) + grads
@@ -433,6 +431,7 @@ class DistributedModel(torch.nn.Module):
         handles = [p.register_post_accumulate_grad_hook(_C.GradHook(self._grad_hooks, i))
                    for i, p in enumerate(self._params)]
         handles += self._route_embeddings()
+        self._routed = frozenset(r.index for r in self._routes)
         # Parameters frozen at the wrap are not reduced: one unfrozen later would train on each
         # rank's own gradient. A hook on each (it runs only if one gets a gradient) says so.
         reduced = {id(p) for p in self._params}
@@ -939,7 +938,7 @@ class DistributedModel(torch.nn.Module):
         unready = reducer.unready()
         if self._rebuild_pending:
             self._unready_at_end = set(unready)
-        routed = {r.index for r in self._routes}  # (their gradients come as rows, after this)
+        routed = self._routed  # (their gradients come as rows, after this)
         # Unused this step: no gradient arrived, and none was there when the step's forward
         # began (a gradient accumulated under no_sync counts as a use, as in torch DDP).
         unused = [i for i in unready if i not in routed and (
@@ -1437,10 +1436,6 @@ class DistributedModel(torch.nn.Module):
         problem = self._check_params()
         if problem is not None:
             raise problem
-        for p in self._params:
-            g = p.grad
-            if g is not None and (g.dtype != p.dtype or g.device != p.device):
-                p.grad = g.to(dtype=p.dtype, device=p.device)  # (what autograd would refuse)
         self._build_buckets()
         self._is_cuda = [p.device.type == "cuda" for p in self._params]
 
