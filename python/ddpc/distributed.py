@@ -240,8 +240,9 @@ def _parse_init_method(init_method: Optional[str]) -> Tuple[str, Any]:
                      f"'tcp://host:port' or 'file:///path'")
 
 
-def _file_rendezvous(path: str, rank: int, timeout: float) -> Tuple[str, int, str]:
-    """Rank 0 serves the store and writes 'host port token' to path; the others read it."""
+def _file_rendezvous(st: _State, path: str, rank: int, timeout: float) -> Tuple[str, int, str]:
+    """Rank 0 serves the store and writes 'host port token' to path (both kept in st, for
+    _release); the others read it."""
     if rank == 0:
         token = os.environ.get("DDPC_TOKEN") or os.urandom(16).hex()
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -258,8 +259,7 @@ def _file_rendezvous(path: str, rank: int, timeout: float) -> Tuple[str, int, st
             raise ValueError(f"init_method file://{path}: rank 0 cannot write it ({e.strerror}): "
                              f"the folder must exist and be writable, and every rank must see "
                              f"the same path") from None
-        _file_rendezvous.server = server  # type: ignore[attr-defined]
-        _file_rendezvous.written = (path, line)  # type: ignore[attr-defined]
+        st.server, st.file_written = server, (path, line)
         return addr, server.port, token
     # A file can outlive its job (rank 0 killed): one whose store does not answer is taken for
     # stale and read again until rank 0 replaces it.
@@ -383,10 +383,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         _await_old_store(r, timeout_s)
     try:
         if kind == "file":
-            addr, port, token = _file_rendezvous(where, r, timeout_s)
-            if r == 0:
-                st.server = _file_rendezvous.server  # type: ignore[attr-defined]
-                st.file_written = _file_rendezvous.written  # type: ignore[attr-defined]
+            addr, port, token = _file_rendezvous(st, where, r, timeout_s)
         else:
             if kind == "tcp":
                 addr, port = where
@@ -550,16 +547,13 @@ def _await_leavers(st: _State, limit_s: float = 10.0) -> None:
     start = time.monotonic()
     pending = set(range(1, st.world_size))
     said = False
-    next_check = 0.0
-    while pending and not st.store.check([f"ddpc/left/{r}" for r in sorted(pending)]):
+    while True:
+        pending = {r for r in pending if not st.store.check([f"ddpc/left/{r}"])
+                   and not st.store.check([f"ddpc/dead/{r}"])}
         waited = time.monotonic() - start
-        if waited >= limit_s:
+        if not pending or waited >= limit_s:
             return
-        if waited >= next_check:  # every 0.2 s: which ranks left, or are gone without leaving?
-            next_check = waited + 0.2
-            pending = {r for r in pending if not st.store.check([f"ddpc/left/{r}"])
-                       and not st.store.check([f"ddpc/dead/{r}"])}
-        if waited >= 2.0 and not said and pending:
+        if waited >= 2.0 and not said:
             said = True
             print(f"ddpc: rank 0's destroy_process_group waits up to {limit_s:.0f} s for "
                   f"rank(s) {sorted(pending)} to leave the group first: call "
