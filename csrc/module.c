@@ -77,27 +77,10 @@ static int interrupt_hook(void) {
         Py_END_ALLOW_THREADS                 \
     } while (0)
 
-/* A timeout in seconds as milliseconds, -1 for none (infinity). NaN and negative values are
- * refused (ValueError naming fn; returns 0): NaN would convert to an undefined int64. */
-static int timeout_arg_ms(double seconds, const char *fn, int64_t *out) {
-    if (isnan(seconds) || seconds < 0) {
-        PyObject *v = PyFloat_FromDouble(seconds);
-        if (v) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s: timeout must be a number of seconds >= 0 (float('inf') waits "
-                         "without end), got %R", fn, v);
-            Py_DECREF(v);
-        }
-        return 0;
-    }
-    double ms = seconds * 1000.0;
-    *out = ms > 9.0e15 ? -1 : (int64_t)ms;
-    return 1;
-}
-
-/* O& converter: a timeout given as seconds (int or float) or a datetime.timedelta, as torch's
- * store takes it; into a double of seconds. */
-static int seconds_converter(PyObject *o, void *out) {
+/* O& converter: a timeout in seconds (int or float) or a datetime.timedelta, as torch's store
+ * takes it, into int64 milliseconds, -1 for none (float('inf')). NaN and negative values are a
+ * ValueError: NaN would convert to an undefined int64. */
+static int timeout_ms_converter(PyObject *o, void *out) {
     double v;
     if (PyObject_HasAttrString(o, "total_seconds")) {
         PyObject *r = PyObject_CallMethod(o, "total_seconds", NULL);
@@ -113,7 +96,13 @@ static int seconds_converter(PyObject *o, void *out) {
         v = PyFloat_AsDouble(o);
     }
     if (v == -1.0 && PyErr_Occurred()) return 0;
-    *(double *)out = v;
+    if (isnan(v) || v < 0) {
+        PyErr_Format(PyExc_ValueError, "timeout must be a number of seconds >= 0 "
+                     "(float('inf') waits without end), got %R", o);
+        return 0;
+    }
+    double ms = v * 1000.0;
+    *(int64_t *)out = ms > 9.0e15 ? -1 : (int64_t)ms;
     return 1;
 }
 
@@ -206,12 +195,10 @@ static PyObject *Store_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
     int port = 0;
     const char *token = NULL;
     int rank = -1;
-    double timeout = 60.0;
+    int64_t timeout_ms = 60000;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "zis|iO&", kwlist, &host, &port, &token, &rank,
-                                     seconds_converter, &timeout))
+                                     timeout_ms_converter, &timeout_ms))
         return NULL;
-    int64_t timeout_ms;
-    if (!timeout_arg_ms(timeout, "Store", &timeout_ms)) return NULL;
     ModState *s = state_of_type(tp);
     if (!s) return NULL;
     StoreObject *self = (StoreObject *)tp->tp_alloc(tp, 0);
@@ -283,10 +270,8 @@ static PyObject *Store_set_posted(StoreObject *self, PyObject *args) {
 
 static PyObject *Store_get(StoreObject *self, PyObject *args) {
     const char *key;
-    double timeout = 600.0;
-    if (!PyArg_ParseTuple(args, "s|O&", &key, seconds_converter, &timeout)) return NULL;
-    int64_t timeout_ms;
-    if (!timeout_arg_ms(timeout, "Store.get", &timeout_ms)) return NULL;
+    int64_t timeout_ms = 600000;
+    if (!PyArg_ParseTuple(args, "s|O&", &key, timeout_ms_converter, &timeout_ms)) return NULL;
     if (!store_ready(self)) return NULL;
     void *val = NULL;
     size_t len = 0;
@@ -388,10 +373,8 @@ static PyObject *Store_check(StoreObject *self, PyObject *args) {
 static PyObject *Store_wait(StoreObject *self, PyObject *args) {
     PyObject *seq, *fast;
     Py_ssize_t n;
-    double timeout = 600.0;
-    if (!PyArg_ParseTuple(args, "O|O&", &seq, seconds_converter, &timeout)) return NULL;
-    int64_t timeout_ms;
-    if (!timeout_arg_ms(timeout, "Store.wait", &timeout_ms)) return NULL;
+    int64_t timeout_ms = 600000;
+    if (!PyArg_ParseTuple(args, "O|O&", &seq, timeout_ms_converter, &timeout_ms)) return NULL;
     if (!store_ready(self)) return NULL;
     const char **keys = keys_from_seq(seq, &n, &fast);
     if (!keys) return NULL;
@@ -524,10 +507,11 @@ static PyObject *Group_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
     PyObject *store;
     int rank, world, local_rank = -1, local_world = -1, transport = 0, device = -1;
     const char *backend = "cpu", *prefix = "g0", *host_id = "", *bind_addr = "127.0.0.1";
-    double timeout = 600.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "Oii|iisdsissi", kwlist, &store, &rank, &world,
-                                     &local_rank, &local_world, &backend, &timeout, &prefix,
-                                     &transport, &host_id, &bind_addr, &device))
+    int64_t timeout_ms = 600000;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Oii|iisO&sissi", kwlist, &store, &rank, &world,
+                                     &local_rank, &local_world, &backend, timeout_ms_converter,
+                                     &timeout_ms, &prefix, &transport, &host_id, &bind_addr,
+                                     &device))
         return NULL;
     ModState *s = state_of_type(tp);
     if (!s) return NULL;
@@ -535,8 +519,6 @@ static PyObject *Group_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_TypeError, "store must be an open ddpc._C.Store");
         return NULL;
     }
-    int64_t timeout_ms;
-    if (!timeout_arg_ms(timeout, "Group", &timeout_ms)) return NULL;
     GroupObject *self = (GroupObject *)tp->tp_alloc(tp, 0);
     if (!self) return NULL;
     DdpcGroupConfig cfg = {
