@@ -649,7 +649,8 @@ static ddpc_status store_set_str(DdpcGroup *g, const char *key, const char *val)
 static ddpc_status store_wait_ranks(DdpcGroup *g, const char *fmt) {
     int P = g->world;
     char *buf = malloc((size_t)P * 256);
-    const char **keys = malloc((size_t)P * sizeof *keys);
+    /* (calloc: GCC cannot see the loop below fill every key before the wait reads them) */
+    const char **keys = calloc((size_t)P, sizeof *keys);
     if (!buf || !keys) {
         free(buf);
         free(keys);

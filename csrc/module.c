@@ -1425,10 +1425,11 @@ typedef struct {
     PyObject *current_stream; /* callable(device) -> the current stream's handle, or NULL */
     PyObject *need_wire;    /* callable(index): gives parameter index's bucket its wire buffer */
     PyObject *need_memory;  /* callable(index, grad): gives a released bucket memory again */
-    PyObject *strided;      /* bytes or NULL: strided[i] != 0 when parameter i's slot has its
-                             * parameter's strides and is not contiguous (channels_last): a
-                             * gradient cannot be copied into it as one block, so it takes the
-                             * Python path */
+    PyObject *strides;      /* list or NULL: strides[i] is None when parameter i's slot is
+                             * row-major, else the slot's strides (its parameter's: channels_last,
+                             * a transposed weight). A fresh gradient with exactly these strides
+                             * has the slot's memory image and is copied as one block; one with
+                             * others takes the Python path, which copies element by element */
     int device;             /* the CUDA device of the parameters, -1 on the host */
     unsigned long long stream;
     char fast;              /* a synced backward is running and its end is queued */
@@ -1446,6 +1447,7 @@ typedef struct {
 
 static PyObject *g_str_grad;          /* interned "grad" */
 static PyObject *g_str_is_contiguous; /* interned "is_contiguous" */
+static PyObject *g_str_stride;        /* interned "stride" */
 static PyObject *g_str_data_ptr;      /* interned "data_ptr" */
 static PyObject *g_str_requires_grad; /* interned "requires_grad" */
 
@@ -1458,7 +1460,7 @@ static int GradHooks_traverse(GradHooksObject *self, visitproc visit, void *arg)
     Py_VISIT(self->current_stream);
     Py_VISIT(self->need_wire);
     Py_VISIT(self->need_memory);
-    Py_VISIT(self->strided);
+    Py_VISIT(self->strides);
     Py_VISIT(Py_TYPE(self));
     return 0;
 }
@@ -1472,7 +1474,7 @@ static int GradHooks_clear(GradHooksObject *self) {
     Py_CLEAR(self->current_stream);
     Py_CLEAR(self->need_wire);
     Py_CLEAR(self->need_memory);
-    Py_CLEAR(self->strided);
+    Py_CLEAR(self->strides);
     return 0;
 }
 
@@ -1612,9 +1614,9 @@ static PyMemberDef GradHooks_members[] = {
      "host nanoseconds of hook_ns spent pointing .grad at the slots of copied gradients"},
     {"slow_ns", T_ULONGLONG, offsetof(GradHooksObject, slow_ns), 0,
      "host nanoseconds of hook_ns spent in the Python path (slow)"},
-    {"strided", T_OBJECT, offsetof(GradHooksObject, strided), 0,
-     "bytes: a nonzero byte i sends parameter i's gradients down the Python path (its slot is "
-     "not contiguous), or None"},
+    {"strides", T_OBJECT, offsetof(GradHooksObject, strides), 0,
+     "list: None where parameter i's slot is row-major, else the slot's strides (a fresh "
+     "gradient with other strides takes the Python path); or None (all row-major)"},
     {"to_wire", T_BOOL, offsetof(GradHooksObject, to_wire), 0,
      "True (the default): a fresh gradient of a bucket reduced in another dtype is cast to the "
      "wire from where it lies; False: copied into its bucket slot first (for comparisons)"},
@@ -1706,20 +1708,24 @@ static void name_parameter_error(GradHooksObject *h, Py_ssize_t i) {
 }
 
 /* Where a gradient's elements can be copied from as one dense block: 1 with *src set when it
- * does not require grad and is contiguous (its dtype, shape and device are its parameter's:
- * autograd checks them), 0 when the Python path must handle it, -1 with an exception set. */
-static int grad_copy_source(PyObject *grad, const void **src) {
+ * does not require grad and has its slot's memory image: contiguous for a row-major slot
+ * (slot_strides None), else exactly the slot's strides, which are dense (its dtype, shape and
+ * device are its parameter's: autograd checks them). 0 when the Python path must handle it,
+ * -1 with an exception set. */
+static int grad_copy_source(PyObject *grad, PyObject *slot_strides, const void **src) {
     PyObject *v = PyObject_GetAttr(grad, g_str_requires_grad);
     if (!v) return -1;
     int t = PyObject_IsTrue(v);
     Py_DECREF(v);
     if (t != 0) return t < 0 ? -1 : 0;
-    v = PyObject_CallMethodNoArgs(grad, g_str_is_contiguous);
+    int row_major = slot_strides == Py_None;
+    v = row_major ? PyObject_CallMethodNoArgs(grad, g_str_is_contiguous)
+                  : PyObject_CallMethodNoArgs(grad, g_str_stride);
     if (!v) {
-        PyErr_Clear(); /* a sparse gradient has no is_contiguous(): the Python path copies it */
+        PyErr_Clear(); /* a sparse gradient has neither: the Python path copies it */
         return 0;
     }
-    t = PyObject_IsTrue(v);
+    t = row_major ? PyObject_IsTrue(v) : PyObject_RichCompareBool(v, slot_strides, Py_EQ);
     Py_DECREF(v);
     if (t != 1) return t < 0 ? -1 : 0;
     v = PyObject_CallMethodNoArgs(grad, g_str_data_ptr);
@@ -1804,11 +1810,6 @@ static PyObject *GradHook_run(GradHookObject *self, PyObject *args, PyObject *kw
                          r->nparams);
             goto done;
         }
-        if (h->strided && PyBytes_Check(h->strided) && i < PyBytes_GET_SIZE(h->strided) &&
-            PyBytes_AS_STRING(h->strided)[i]) {
-            handled = 0; /* (a strided slot: see GradHooksObject.strided) */
-            goto done;
-        }
         /* A bucket that goes over the wire in another dtype gets its wire buffer when its first
          * gradient of the step arrives (the wrapper drops it after the step). */
         int state = ddpc_reducer_param_state(r->r, (int)i);
@@ -1878,10 +1879,15 @@ static PyObject *GradHook_run(GradHookObject *self, PyObject *args, PyObject *kw
         if (grad != view) {
             /* A freshly computed gradient (autograd set .grad to it, the slot being empty): the
              * reducer copies it into its slot, then the slot becomes .grad, as the Python path
-             * would do. A gradient that requires grad (create_graph=True), or is not dense and
-             * contiguous, goes there instead. */
+             * would do. A gradient that requires grad (create_graph=True), or lies in memory
+             * otherwise than its slot, goes there instead. */
             const void *src = NULL;
-            int ok = grad_copy_source(grad, &src);
+            PyObject *slot_strides = Py_None; /* (own reference: Python runs below) */
+            if (h->strides && PyList_Check(h->strides) && i < PyList_GET_SIZE(h->strides))
+                slot_strides = PyList_GET_ITEM(h->strides, i);
+            Py_INCREF(slot_strides);
+            int ok = grad_copy_source(grad, slot_strides, &src);
+            Py_DECREF(slot_strides);
             if (ok < 0) goto done;
             if (!ok) {
                 handled = 0;
@@ -2456,6 +2462,7 @@ static int module_exec(PyObject *m) {
         !(g_str_is_contiguous = PyUnicode_InternFromString("is_contiguous")))
         return -1;
     if (!g_str_data_ptr && !(g_str_data_ptr = PyUnicode_InternFromString("data_ptr"))) return -1;
+    if (!g_str_stride && !(g_str_stride = PyUnicode_InternFromString("stride"))) return -1;
     if (!g_str_requires_grad &&
         !(g_str_requires_grad = PyUnicode_InternFromString("requires_grad")))
         return -1;

@@ -863,9 +863,28 @@ def sc_memory_format(rank):
         ref_opt.zero_grad()
         mse(ref(x.contiguous(memory_format=torch.channels_last)), y).backward()
         ref_opt.step()
+        if step == 0:
+            wrapped.host_times()  # (reset: the first step rebuilds the buckets in Python)
     out["strides_match"] = all(p.grad.stride() == p.stride() for p in model.parameters())
     out["fused_err"] = max((p - q).abs().max().item()
                            for p, q in zip(model.parameters(), ref.parameters()))
+    # The C hooks copy a gradient with its slot's strides as one block; none went the Python
+    # way after the first step.
+    out["python_path_ms"] = wrapped.host_times()["python"]
+    # Cast straight to a bf16 wire from where it lies, the gradient of a channels_last weight
+    # averages to the same values as the row-major model's (each element on its own).
+    grads = {}
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        model = make(SmallConv, rank, torch.float32).to(memory_format=fmt)
+        wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL, grad_dtype=torch.bfloat16)
+        for step in range(3):
+            g = torch.Generator().manual_seed(95 + step)
+            x = torch.randn(WORLD * B, 2, 5, 5, generator=g)
+            y = torch.randn(WORLD * B, 3, generator=g)
+            model.zero_grad()
+            mse(wrapped(shard(x, rank).contiguous(memory_format=fmt)), shard(y, rank)).backward()
+        grads[fmt] = [p.grad.clone() for p in model.parameters()]
+    out["bf16_layouts_equal"] = all(torch.equal(a, b) for a, b in zip(*grads.values()))
     return out
 
 
@@ -1431,6 +1450,8 @@ def test_memory_format_change_after_wrap_still_averages_and_grads_keep_param_str
         assert max(r["errs"]) < 1e-12, r["errs"]
         assert r["strides_match"], r
         assert r["fused_err"] < 1e-10, r
+        assert r["python_path_ms"] == 0.0, r
+        assert r["bf16_layouts_equal"], r
 
 
 def test_forward_after_a_failed_backward_reports_it_even_under_no_sync(runs):

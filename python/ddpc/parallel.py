@@ -558,10 +558,10 @@ class DistributedModel(torch.nn.Module):
         offsets, bucket_of = [], []
         self._shapes = [tuple(p.shape) for p in params]
         self._strides = [_slot_strides(p) for p in params]
-        # (a slot in its parameter's order that is not row-major: the C hooks leave its
-        # gradients to the Python path, which copies them element by element)
-        self._strided = bytes(0 if st == _contiguous_strides(p.shape) else 1
-                              for st, p in zip(self._strides, params))
+        # (for the C hooks: None for a row-major slot, else its strides; a gradient that lies
+        # otherwise than its slot takes the Python path, which copies it element by element)
+        self._hook_strides = [None if st == _contiguous_strides(p.shape) else st
+                              for st, p in zip(self._strides, params)]
         members: List[List[int]] = [[] for _ in specs]
         for i in range(len(params)):
             b, off = reducer.param_slot(i)
@@ -780,7 +780,7 @@ class DistributedModel(torch.nn.Module):
             return
         h.reducer = self._reducer
         h.views = self._views
-        h.strided = self._strided
+        h.strides = self._hook_strides
         h.stream = self._fwd_stream
         h.fast = fast
 
