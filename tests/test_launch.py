@@ -446,8 +446,11 @@ def test_gpu_selection_through_nvidia_smi(tmp_path):
      "--nnodes 3000000000 times --nproc-per-node 1 is 3000000000 ranks; a job has at most"),
     (["--nnodes", "3000000000", "--node-rank", "0", "ok.py"],
      "argument --nnodes: 3000000000 nodes; a job has at most 2147483647"),
-    (["--no-python", "ok.py"], "argument --no-python: torchrun's flag is not supported: "
-                               "ddpc.launch runs Python scripts and modules only"),
+    (["--no-python", "ok.py"], "no program 'ok.py' on PATH"),
+    (["--no-python", "./ok.py"], "'./ok.py' is not executable: chmod +x it, or leave "
+                                 "--no-python out"),
+    (["--no-python", "./none.sh"], "'./none.sh' not found"),
+    (["--no-python", "-m", "json"], "argument --no-python: not with -m"),
     (["-r", "3", "ok.py"], "argument --redirects: torchrun's flag is not supported: use --log-dir"),
     (["--rdzv_conf", "a=1", "ok.py"], "argument --rdzv-conf: torchrun's flag is not supported"),
     (["missing.py"], "'missing.py' not found"),
@@ -834,3 +837,64 @@ def test_torchrun_flags_that_need_nothing_are_accepted(tmp_path):
                               "--start_method", "spawn", "ok.py"], tmp_path)
     assert rc == 0, err
     assert "[rank0]: ran" in out
+
+
+PROGRAM = """\
+#!/bin/sh
+echo "ENV rank=$RANK of $WORLD_SIZE local=$LOCAL_RANK port=$MASTER_PORT args=$*"
+if [ "$RANK" = "$FAIL_RANK" ]; then
+    echo "rank $RANK: the data file is missing" >&2
+    exit 3
+fi
+"""
+
+
+def test_no_python_runs_a_program_with_the_ranks_environment(tmp_path):
+    """--no-python (torchrun's) runs the target as a program: a shell script here, by path and
+    through PATH. A failing rank is named with its exit code and its last stderr lines."""
+    prog = write(tmp_path, "run.sh", PROGRAM)
+    prog.chmod(0o755)
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "--no-python", "./run.sh", "--lr", "1"],
+                             tmp_path)
+    assert rc == 0, err
+    lines = sorted(re.findall(r"^\[rank(\d)\]: ENV rank=(\d) of 2 local=(\d) port=\d+ args=(.*)$",
+                              out, re.M))
+    assert lines == [("0", "0", "0", "--lr 1"), ("1", "1", "1", "--lr 1")], out
+    env = launcher_env(FAIL_RANK="1", PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "--no-python", "run.sh"], tmp_path,
+                             env=env)
+    assert rc == 3, err
+    summary = err[err.index("failed first"):]
+    assert "rank 1 (local rank 1" in err and "failed first: exit code 3" in err, err
+    assert "last lines of rank 1's stderr" in summary
+    assert "rank 1: the data file is missing" in summary
+
+
+def test_no_python_program_dies_with_a_killed_launcher(tmp_path):
+    """The death signal the rank's wrapper sets outlives its exec of the program."""
+    prog = write(tmp_path, "sleepy.sh", """\
+        #!/bin/sh
+        echo "PID $$"
+        exec sleep 60
+    """)
+    prog.chmod(0o755)
+    proc = subprocess.Popen([sys.executable, "-m", "ddpc.launch", "--nproc-per-node", "2",
+                             "--no-python", "./sleepy.sh"], cwd=tmp_path, env=launcher_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = []
+        deadline = time.monotonic() + 30
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            m = re.search(r"PID (\d+)", line)
+            if m:
+                pids.append(int(m.group(1)))
+        assert len(pids) == 2, "ranks did not start"
+        assert all(pid_alive(p) for p in pids)
+        proc.kill()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_gone(pids) == []

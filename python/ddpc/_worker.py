@@ -1,6 +1,7 @@
 """The process ddpc.launch starts for each rank: `python -m ddpc._worker script.py args...` or
 `python -m ddpc._worker -m module args...`. It runs the target like `python script.py` would, and
-on an uncaught exception writes a JSON error report to $DDPC_ERROR_FILE for the launcher."""
+on an uncaught exception writes a JSON error report to $DDPC_ERROR_FILE for the launcher.
+`python -m ddpc._worker --exec program args...` (launch --no-python) becomes the program."""
 import ctypes
 import faulthandler
 import json
@@ -128,9 +129,17 @@ def write_error_file(path: str, exc: BaseException, tb: TracebackType | None) ->
 
 def main(argv: list[str]) -> None:
     """Runs `script args...` or `-m module args...` as __main__ with the usual sys.argv/sys.path."""
-    if not argv or (argv[0] == "-m" and len(argv) < 2):
-        raise SystemExit("usage: python -m ddpc._worker (script.py | -m module) [args...]")
+    if not argv or (argv[0] in ("-m", "--exec") and len(argv) < 2):
+        raise SystemExit("usage: python -m ddpc._worker (script.py | -m module | --exec "
+                         "program) [args...]")
     die_with_parent()
+    if argv[0] == "--exec":
+        # The death signal set above outlives the exec, so the program still dies with the
+        # launcher.
+        try:
+            os.execvp(argv[1], argv[1:])
+        except OSError as e:
+            raise SystemExit(f"ddpc._worker: cannot run {argv[1]!r}: {e.strerror or e}") from None
     enable_stack_dumps()
     sys.excepthook = _trimming_hook(sys.excepthook)
     error_file = os.environ.get("DDPC_ERROR_FILE", "")

@@ -247,6 +247,7 @@ class Worker:
     signalled: int | None = None   # the last signal the launcher sent this rank
     capturing: list[str] | None = None  # stderr lines kept while its stacks are being printed
     stack: list[str] | None = None      # its threads' Python stacks, when asked for them
+    python: bool = True  # False: an executable of --no-python (it has no stacks to ask for)
 
     def error_report(self) -> dict | None:
         """The JSON report the worker wrote on an uncaught exception, or None."""
@@ -383,8 +384,8 @@ class WorkerGroup:
         lines stop coming, at most STACK_WAIT_S."""
         asked = []
         for w in self.running():
-            if w.error_report() is not None:
-                continue
+            if not w.python or w.error_report() is not None:
+                continue  # (the signal would kill an executable: its default action)
             w.capturing = []
             try:
                 os.kill(w.proc.pid, STACK_SIGNAL)
@@ -703,7 +704,8 @@ def describe_other(w: Worker) -> str:
 @dataclasses.dataclass
 class LaunchConfig:
     """Validated launch settings for this node."""
-    target: list[str]              # ["script.py", args...] or ["-m", "module", args...]
+    target: list[str]              # ["script.py", args...], ["-m", "module", args...], or
+                                   # with no_python ["program", args...]
     plan: DevicePlan
     nnodes: int
     node_rank: int
@@ -714,6 +716,7 @@ class LaunchConfig:
     run_id: str
     token: str | None              # None: a fresh secret per attempt
     log_dir: str | None = None     # also write each rank's output under this directory
+    no_python: bool = False        # target is an executable and its arguments
 
 
 class Launcher:
@@ -842,7 +845,8 @@ class Launcher:
                                cuda_visible_devices=cfg.plan.cuda_visible_devices)
                 try:
                     proc = subprocess.Popen(
-                        [sys.executable, "-m", "ddpc._worker"] + cfg.target, env=env,
+                        [sys.executable, "-m", "ddpc._worker"]
+                        + (["--exec"] if cfg.no_python else []) + cfg.target, env=env,
                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                         start_new_session=True)
                 except OSError as e:
@@ -850,7 +854,7 @@ class Launcher:
                     self.say("ddpc.launch: " + start_failure(rank, local, nproc, e,
                                                              "--nproc-per-node"))
                     return 1, None
-                group.add(Worker(rank, local, proc, error_file))
+                group.add(Worker(rank, local, proc, error_file, python=not cfg.no_python))
             return self.watch(group)
         finally:
             if group.running():
@@ -928,8 +932,6 @@ _nproc = _checked(lambda t: None if t in ("auto", "gpu") else int(t),
 
 # torchrun flags ddpc.launch does not have: what to do instead (refused with this advice).
 TORCHRUN_ONLY = {
-    "--no-python": "ddpc.launch runs Python scripts and modules only: run the Python script "
-                   "your wrapper starts directly",
     "--rdzv-conf": "ddpc's rendezvous (rank 0's store) has no options to set: drop it",
     "--role": "ddpc.launch runs one role: drop it",
     "--redirects": "use --log-dir DIR to keep each rank's output in files",
@@ -1051,10 +1053,14 @@ def build_parser() -> argparse.ArgumentParser:
         if flag in ("--redirects", "--tee"):
             names.insert(0, flag[1:3])
         p.add_argument(*dict.fromkeys(names), dest=f"torchrun_{flag[2:].replace('-', '_')}",
-                       default=None, help=argparse.SUPPRESS,
-                       **({"action": "store_true"} if flag == "--no-python" else {}))
+                       default=None, help=argparse.SUPPRESS)
     p.add_argument("-m", "--module", action="store_true",
                    help="run the target as a module, like python -m")
+    p.add_argument("--no-python", "--no_python", action="store_true",
+                   help="run the target as a program (found on PATH, or a path), not as a "
+                   "Python script, as torchrun's flag does: e.g. a shell script that starts "
+                   "Python. Its ranks' failures are reported with their exit code and last "
+                   "stderr lines; a hang shows no Python stacks")
     p.add_argument("script", metavar="script.py|module", help="what each rank runs")
     script_args = p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     script_args.required = False  # it may be empty: not named when the script is missing
@@ -1065,7 +1071,7 @@ def build_parser() -> argparse.ArgumentParser:
 # PyTorchJob and other operators configure nodes that way); these are the ones ddpc shares.
 PET_DESTS = ("nnodes", "node_rank", "nproc_per_node", "master_addr", "master_port",
              "max_restarts", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "standalone",
-             "log_dir", "module")
+             "log_dir", "module", "no_python")
 
 
 def pet_defaults(parser: argparse.ArgumentParser, environ: Any) -> list[str]:
@@ -1177,12 +1183,37 @@ def module_problem(name: str) -> str | None:
     return None
 
 
+def program_problem(name: str) -> str | None:
+    """Why `name` cannot be run as a program (--no-python), as execvp would see it; or None."""
+    if os.sep not in name:
+        if shutil.which(name) is None:
+            return (f"no program {name!r} on PATH (working directory {os.getcwd()}); for one "
+                    f"in this directory write ./{name}")
+        return None
+    if os.path.isdir(name):
+        return f"{name!r} is a directory, not a program"
+    if not os.path.isfile(name):
+        return f"{name!r} not found (working directory {os.getcwd()})"
+    if not os.access(name, os.X_OK):
+        return (f"{name!r} is not executable: chmod +x it, or leave --no-python out if it is a "
+                f"Python script")
+    return None
+
+
 def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchConfig:
     """Checks the arguments against each other and the machine; exits via parser.error."""
     for flag, advice in TORCHRUN_ONLY.items():
         if getattr(args, f"torchrun_{flag[2:].replace('-', '_')}") not in (None, False):
             parser.error(f"argument {flag}: torchrun's flag is not supported: {advice}")
-    if args.module:
+    if args.no_python:
+        if args.module:
+            parser.error("argument --no-python: not with -m, which runs a Python module: give "
+                         "one of them")
+        problem = program_problem(args.script)
+        if problem:
+            parser.error(f"argument script.py (with --no-python): {problem}")
+        target = [args.script] + args.script_args
+    elif args.module:
         problem = module_problem(args.script)
         if problem:
             parser.error(f"argument -m/--module: {problem}; check the spelling (and that "
@@ -1276,7 +1307,8 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Launch
     return LaunchConfig(target=target, plan=plan, nnodes=args.nnodes, node_rank=args.node_rank,
                         master_addr=args.master_addr or "127.0.0.1", master_port=master_port,
                         max_restarts=args.max_restarts, timeout_kill=args.timeout_kill,
-                        run_id=run_id, token=token, log_dir=args.log_dir)
+                        run_id=run_id, token=token, log_dir=args.log_dir,
+                        no_python=args.no_python)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
