@@ -445,8 +445,84 @@ def scenario_killed() -> Dict:
     raise AssertionError("no PeerError although rank 1 was killed")
 
 
+def scenario_torch_names() -> Dict:
+    """torch.distributed's gather, scatter, scatter_object_list, monitored_barrier and a second
+    group from new_group (another timeout, gloo by name), against references; their bad
+    arguments raise on the rank that passed them while the others go on."""
+    import ddpc
+    init()
+    rank, world = ddpc.get_rank(), ddpc.get_world_size()
+    errors: Dict[str, str] = {}
+    assert ddpc.group.WORLD is ddpc.distributed._default_group()
+    assert ddpc.get_global_rank(ddpc.group.WORLD, world - 1) == world - 1
+    for dst in range(world):
+        mine = np.arange(5, dtype=np.float64) + 10 * rank
+        out = [np.zeros(5) for _ in range(world)] if rank == dst else None
+        ddpc.gather(mine, out, dst=dst)
+        if rank == dst:
+            for r in range(world):
+                assert_same(out[r], np.arange(5, dtype=np.float64) + 10 * r, f"gather from {r}")
+    for src in range(world):
+        got = np.full((2, 3), -1, dtype=np.int32)
+        parts = ([np.full((2, 3), 100 * src + r, dtype=np.int32) for r in range(world)]
+                 if rank == src else None)
+        ddpc.scatter(got, parts, src=src)
+        assert_same(got, np.full((2, 3), 100 * src + rank, dtype=np.int32), f"scatter {src}")
+        box = [None]
+        ddpc.scatter_object_list(box, [{"to": r, "from": src} for r in range(world)]
+                                 if rank == src else None, src=src)
+        assert box == [{"to": rank, "from": src}], box
+    # Bad lists, on one rank each: it raises after taking part; the others get their data.
+    got = np.zeros(4, dtype=np.float32)
+    try:
+        ddpc.gather(got, [np.zeros(3, dtype=np.float32)] * world if rank == 0 else None)
+    except ValueError as e:
+        errors["gather"] = str(e)
+    try:
+        ddpc.scatter(got, [np.zeros(4, dtype=np.float32)] * world if rank in (0, world - 1)
+                     else None, src=0)  # (the last rank is not src: it passes none)
+    except ValueError as e:
+        errors["scatter"] = str(e)
+    # A second group: every rank, another timeout; collectives on it and on the default one
+    # interleave.
+    side = ddpc.new_group(backend="gloo", timeout=5.0)
+    x = np.full(3, rank + 1.0)
+    ddpc.all_reduce(x, group=side)
+    y = np.ones(2)
+    ddpc.all_reduce(y)
+    ddpc.all_reduce(x, group=side)
+    assert_same(x, np.full(3, world * sum(range(1, world + 1)), dtype=np.float64), "new_group")
+    assert_same(y, np.full(2, float(world)), "default group beside it")
+    assert ddpc.get_backend(side) == "cpu"
+    for bad in (lambda: ddpc.new_group(ranks=[0]), lambda: ddpc.new_group(ranks="x"),
+                lambda: ddpc.new_group(backend="nccl"), lambda: ddpc.all_reduce(x, group=1)):
+        try:
+            bad()
+            raise AssertionError("no error")
+        except (NotImplementedError, TypeError, ValueError) as e:
+            errors.setdefault("new_group", []).append(f"{type(e).__name__}: {e}")
+    ddpc.monitored_barrier(timeout=10)
+    t0 = time.monotonic()
+    if rank != world - 1:  # the last rank is late: the others time out naming it
+        try:
+            ddpc.monitored_barrier(timeout=1.0)
+        except ddpc.DistributedTimeoutError as e:
+            errors["monitored"] = str(e)
+    elapsed = time.monotonic() - t0
+    ddpc.barrier(group=side)
+    ddpc.destroy_process_group(side)
+    try:
+        ddpc.all_reduce(x, group=side)
+    except ValueError as e:
+        errors["destroyed"] = str(e)
+    ddpc.all_reduce(y)  # the default group goes on
+    ddpc.destroy_process_group()
+    return {"errors": errors, "elapsed": elapsed}
+
+
 SCENARIOS = {"all": scenario_all, "objects": scenario_objects, "single": scenario_single,
-             "mismatch": scenario_mismatch, "timeout": scenario_timeout, "killed": scenario_killed}
+             "mismatch": scenario_mismatch, "timeout": scenario_timeout, "killed": scenario_killed,
+             "torch_names": scenario_torch_names}
 
 
 # ------------------------------------------------------------------------- test side
@@ -515,6 +591,64 @@ def test_object_collectives(world, tmp_path):
             assert "gather" not in e, e
         assert "world_size=" in e["args"][0] and "is not a rank" in e["args"][1]
         assert "must be a list" in e["args"][2]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_torch_distributed_names(world, tmp_path):
+    results = run_job("torch_names", world, tmp_path)
+    for r, res in enumerate(results):
+        e = res["errors"]
+        if r == 0:
+            assert e["gather"] == ("gather: gather_list[0] holds 3 x float32 but tensor is 4 x "
+                                   "float32: every entry must have tensor's dtype and number of "
+                                   "elements"), e
+        else:
+            assert "gather" not in e, e
+        if r == world - 1:
+            assert e["scatter"] == (f"scatter: rank {r} is not src=0, so it passes no "
+                                    f"scatter_list (torch's rule), got {world} entries"), e
+            assert "monitored" not in e, e
+        else:
+            assert "scatter" not in e, e
+            assert e["monitored"].startswith(f"monitored_barrier #2: rank(s) {world - 1} did not "
+                                             f"reach it within 1 s (rank {r} waited)"), e
+            assert 0.9 < res["elapsed"] < 8, res
+        ng = e["new_group"]
+        assert ng[0].startswith("NotImplementedError: new_group(ranks=[0]): a group of some of "
+                                f"the {world} ranks is not supported"), ng
+        assert ng[1].startswith("TypeError: new_group: ranks must be a list of int ranks"), ng
+        assert ng[2].startswith("ValueError: new_group(backend='nccl'): this process is bound "
+                                "to no GPU"), ng
+        assert ng[3] == ("TypeError: group must be None (the default group) or a group from "
+                         "new_group(), got int"), ng
+        assert e["destroyed"] == "the process group was destroyed", e
+
+
+def test_gather_and_scatter_of_torch_tensors_keep_shapes_and_work_async(world_one):
+    torch = pytest.importorskip("torch")
+    x = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    out = [torch.zeros(3, 2, dtype=torch.bfloat16)]  # (another shape, the same elements)
+    world_one.gather(x, out)
+    assert torch.equal(out[0], x.reshape(3, 2))
+    got = torch.zeros(2, 3, dtype=torch.bfloat16)
+    work = world_one.scatter(got, [x.t().contiguous()], async_op=True)
+    work.wait()
+    assert torch.equal(got, x.t().reshape(2, 3))
+    side = world_one.new_group()
+    assert side is not world_one.group.WORLD and world_one.get_backend(side) == "cpu"
+    world_one.gather(x, out, group=side, async_op=True).wait()
+    assert torch.equal(out[0], x.reshape(3, 2))
+
+
+def test_names_torch_distributed_has_and_ddpc_does_not_say_what_to_use():
+    import ddpc
+    with pytest.raises(AttributeError, match=r"torch.distributed's all_to_all_single is not part "
+                       r"of ddpc \(data parallelism needs no all-to-all"):
+        ddpc.all_to_all_single
+    with pytest.raises(AttributeError, match=r"send is not part of ddpc \(ddpc has collectives"):
+        ddpc.send
+    with pytest.raises(AttributeError, match=r"^module 'ddpc' has no attribute 'nonsense'$"):
+        ddpc.nonsense
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
@@ -671,8 +805,8 @@ class _LoadsBadly:
 def test_bad_groups_ops_views_outputs_and_objects_are_named(world_one):
     torch = pytest.importorskip("torch")
     x = torch.ones(3)
-    with pytest.raises(TypeError, match=r"group must be None \(the default group\), got object: "
-                       r"ddpc has one process group per process \(no new_group\)"):
+    with pytest.raises(TypeError, match=r"group must be None \(the default group\) or a group "
+                       r"from new_group\(\), got object"):
         world_one.all_reduce(x, group=object())
     world_one.all_reduce(x, group=world_one.distributed._default_group())  # (the default: fine)
     with pytest.raises(ValueError, match=r"op BAND \(from torch.distributed.ReduceOp\) is not "

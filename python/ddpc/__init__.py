@@ -15,6 +15,7 @@ from ddpc._C import (  # noqa: F401
     PeerError,
 )
 from ddpc.distributed import (  # noqa: F401
+    GroupMember,
     ReduceOp,
     Work,
     all_gather,
@@ -25,9 +26,12 @@ from ddpc.distributed import (  # noqa: F401
     broadcast,
     broadcast_object_list,
     destroy_process_group,
-    gather_object,
     device,
+    gather,
+    gather_object,
     get_backend,
+    get_global_rank,
+    get_group_rank,
     get_local_rank,
     get_local_world_size,
     get_rank,
@@ -35,11 +39,19 @@ from ddpc.distributed import (  # noqa: F401
     get_world_size,
     init_process_group,
     is_available,
+    is_gloo_available,
     is_initialized,
+    is_nccl_available,
+    is_torchelastic_launched,
+    monitored_barrier,
+    new_group,
     reduce,
     reduce_scatter,
     reduce_scatter_tensor,
+    scatter,
+    scatter_object_list,
 )
+from ddpc.distributed import GroupMember as group  # noqa: F401  (torch's dist.group.WORLD)
 
 __version__ = "0.1.0"
 
@@ -55,4 +67,22 @@ def __getattr__(name):
     if name in _LAZY:
         import importlib
         return getattr(importlib.import_module("ddpc." + _LAZY[name]), name)
+    if name in _NOT_IN_DDPC:
+        raise AttributeError(f"module 'ddpc' has no attribute {name!r}: torch.distributed's "
+                             f"{name} is not part of ddpc ({_NOT_IN_DDPC[name]})")
     raise AttributeError(f"module 'ddpc' has no attribute {name!r}")
+
+
+# torch.distributed names a script may use that ddpc does not have, and what to do instead.
+_P2P = "ddpc has collectives, not point-to-point messages: all_gather or broadcast instead"
+_NOT_IN_DDPC = dict.fromkeys(
+    ("send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp", "send_object_list",
+     "recv_object_list"), _P2P)
+_NOT_IN_DDPC.update(dict.fromkeys(
+    ("all_to_all", "all_to_all_single"),
+    "data parallelism needs no all-to-all: all_gather, then each rank takes its part"))
+_NOT_IN_DDPC.update(dict.fromkeys(
+    ("new_subgroups", "new_subgroups_by_enumeration", "split_group"),
+    "every ddpc group spans every rank: new_group() makes another such group"))
+_NOT_IN_DDPC["all_reduce_coalesced"] = "all_reduce each tensor, or one flat tensor of them all"
+_NOT_IN_DDPC["all_gather_coalesced"] = "all_gather each tensor"

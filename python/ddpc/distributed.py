@@ -96,7 +96,9 @@ class _State:
         self.device_index: Optional[int] = None  # CUDA ordinal this process is bound to
         self.timeout = DEFAULT_TIMEOUT_S
         self.master = ("", 0)
-        self.groups_made = 0
+        self.groups_made = 0  # by new_group: each gets its own store prefix
+        self.subgroups: List[Any] = []  # new_group's groups, destroyed with this one
+        self.monitored = 0  # monitored_barrier calls so far (their store keys)
         self.file_written: Optional[Tuple[str, str]] = None  # rank 0's file:// rendezvous file
         self.made_by_notebook_launcher = False  # (fn calling init again gets this group)
 
@@ -410,16 +412,19 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
                 port = st.server.port
         st.master = (addr, port)
         st.store = _C.Store(addr, port, token, r, timeout_s)
-        transport = {"auto": 0, "shm": 1, "tcp": 2}[_C.setting("DDPC_CPU_TRANSPORT") or "auto"]
         st.group = _C.Group(st.store, r, w, local_rank=local, local_world_size=local_world,
                             backend=backend_name, timeout=timeout_s, prefix="g0",
-                            transport=transport, host_id=_host_id(),
+                            transport=_cpu_transport(), host_id=_host_id(),
                             bind_addr=_local_addr_towards(addr),
                             device=-1 if st.device_index is None else st.device_index)
     except BaseException:
         _release(st)
         raise
     _state = st
+
+
+def _cpu_transport() -> int:
+    return {"auto": 0, "shm": 1, "tcp": 2}[_C.setting("DDPC_CPU_TRANSPORT") or "auto"]
 
 
 def _server_bind_addr(addr: str) -> str:
@@ -451,7 +456,14 @@ def _local_addr_towards(addr: str) -> str:
             return "127.0.0.1"
 
 
+def _destroy_subgroups(st: _State) -> None:
+    for g in st.subgroups:
+        g.destroy()
+    st.subgroups.clear()
+
+
 def _release(st: _State) -> None:
+    _destroy_subgroups(st)
     if st.group is not None:
         st.group.destroy()
         st.group = None
@@ -518,6 +530,8 @@ def destroy_process_group(group: Any = None) -> None:
     global _state
     if group is not None and _state is not None and group is not _state.group:
         group.destroy()
+        if group in _state.subgroups:
+            _state.subgroups.remove(group)
         return
     global _old_store
     st = _state
@@ -525,6 +539,7 @@ def destroy_process_group(group: Any = None) -> None:
         return
     _state = None
     try:
+        _destroy_subgroups(st)  # (first: while every rank's store is still there)
         if st.store is not None and st.group is not None and st.world_size > 1:
             st.group.destroy()
             st.group = None
@@ -601,7 +616,93 @@ def get_local_world_size() -> int:
 
 
 def get_backend(group: Any = None) -> str:
-    return _require().backend
+    return _group(group).backend
+
+
+def get_global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of group_rank in group: the same number, as every ddpc group spans every
+    rank."""
+    _check_rank(_group(group), group_rank, "group_rank", "get_global_rank")
+    return group_rank
+
+
+def get_group_rank(group: Any, global_rank: int) -> int:
+    """The rank in group of global_rank: the same number (see get_global_rank)."""
+    _check_rank(_group(group), global_rank, "global_rank", "get_group_rank")
+    return global_rank
+
+
+def is_nccl_available() -> bool:
+    """True when this build has CUDA and NCCL can be loaded (backend 'nccl')."""
+    if not _C.cuda_built():
+        return False
+    try:
+        _C.nccl_version()
+    except _C.DistributedError:
+        return False
+    return True
+
+
+def is_gloo_available() -> bool:
+    """True: backend 'gloo' is ddpc's cpu backend, always built."""
+    return True
+
+
+def is_torchelastic_launched() -> bool:
+    """True when started by ddpc.launch or torchrun (TORCHELASTIC_RUN_ID is set)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") is not None
+
+
+class _GroupMember:
+    """torch.distributed.group / GroupMember: WORLD is the default group (None before
+    init_process_group; group=None means it too)."""
+    NON_GROUP_MEMBER = -100
+
+    @property
+    def WORLD(self) -> Any:  # noqa: N802 - torch's name
+        return _state.group if _state is not None else None
+
+
+GroupMember = _GroupMember()
+
+
+def new_group(ranks: Optional[Sequence[int]] = None, timeout: Any = None,
+              backend: Optional[str] = None, pg_options: Any = None,
+              use_local_synchronization: bool = False, group_desc: Optional[str] = None,
+              device_id: Any = None) -> Any:
+    """A second process group of every rank, e.g. backend='gloo' beside an nccl default group
+    for host-memory collectives, or another timeout (torch.distributed.new_group). Every rank
+    must call it, in the same order. `ranks` must be None or every rank: ddpc's groups span the
+    whole job (NotImplementedError otherwise). Pass it as group= to collectives; it goes with
+    destroy_process_group(). pg_options, use_local_synchronization, group_desc and device_id
+    are accepted for torch's signature."""
+    del pg_options, use_local_synchronization, group_desc, device_id
+    st = _require()
+    if ranks is not None:
+        try:
+            members = sorted(operator.index(r) for r in ranks)
+        except TypeError:
+            raise TypeError(f"new_group: ranks must be a list of int ranks or None, got "
+                            f"{ranks!r}") from None
+        if members != list(range(st.world_size)):
+            raise NotImplementedError(
+                f"new_group(ranks={list(ranks)!r}): a group of some of the {st.world_size} ranks "
+                f"is not supported; ddpc's groups span every rank. Use new_group() (all ranks), "
+                f"or let the other ranks take part with neutral values (zeros for a sum)")
+    b = st.backend if backend is None else _pick_backend(backend)
+    if b == "nccl" and st.device_index is None:
+        raise ValueError("new_group(backend='nccl'): this process is bound to no GPU, as the "
+                         "default group uses the cpu backend: call "
+                         "init_process_group(backend='nccl') to use NCCL")
+    seconds = st.timeout if timeout is None else _timeout_seconds(timeout)
+    st.groups_made += 1
+    g = _C.Group(st.store, st.rank, st.world_size, local_rank=st.local_rank,
+                 local_world_size=st.local_world_size, backend=b, timeout=seconds,
+                 prefix=f"g{st.groups_made}", transport=_cpu_transport(), host_id=_host_id(),
+                 bind_addr=_local_addr_towards(st.master[0]),
+                 device=-1 if b != "nccl" else st.device_index)
+    st.subgroups.append(g)
+    return g
 
 
 def get_store() -> Any:
@@ -808,8 +909,8 @@ def _group(group: Any) -> Any:
         return st.group
     if isinstance(group, _C.Group):
         return group
-    raise TypeError(f"group must be None (the default group), got {type(group).__name__}: ddpc "
-                    f"has one process group per process (no new_group), so leave group= out")
+    raise TypeError(f"group must be None (the default group) or a group from new_group(), got "
+                    f"{type(group).__name__}")
 
 
 def _run(g: Any, op: int, send: Optional[_Buffer], recv: _Buffer, count: int, redop: int,
@@ -977,6 +1078,74 @@ def all_gather(tensor_list: List[Any], tensor: Any, group: Any = None,
     return _run(g, _ALLGATHER, inp, out, inp.count, 0, 0, (inp.owner, flat), async_op, finish)
 
 
+def _list_problem(op: str, name: str, items: Any, tensor: Any, world: int) -> Optional[str]:
+    """Why items cannot be gather's gather_list / scatter's scatter_list for tensor, or None."""
+    if not isinstance(items, (list, tuple)) or len(items) != world:
+        return (f"{op}: {name} must be a list of world_size={world} tensors, got "
+                f"{type(items).__name__}"
+                + (f" of length {len(items)}" if hasattr(items, "__len__") else ""))
+    want = (getattr(tensor, "dtype", None), _numel(tensor))
+    for i, t in enumerate(items):
+        got = (getattr(t, "dtype", None), _numel(t))
+        if got != want:
+            return (f"{op}: {name}[{i}] holds {got[1]} x {got[0]} but tensor is {want[1]} x "
+                    f"{want[0]}: every entry must have tensor's dtype and number of elements")
+    return None
+
+
+def gather(tensor: Any, gather_list: Optional[List[Any]] = None, dst: int = 0,
+           group: Any = None, async_op: bool = False) -> Optional[Work]:
+    """On rank dst, gather_list[r] receives rank r's tensor; the other ranks pass None
+    (torch.distributed.gather). An all-gather into a scratch buffer on every rank: meant for
+    metrics and predictions, where world_size copies do not matter."""
+    g = _group(group)
+    _check_rank(g, dst, "dst", "gather")
+    problem = None
+    if g.rank == dst:
+        problem = _list_problem("gather", "gather_list", gather_list, tensor, g.world_size)
+    elif gather_list:
+        problem = (f"gather: rank {g.rank} is not dst={dst}, so it passes no gather_list "
+                   f"(torch's rule), got {len(gather_list)} entries")
+    flat, split = _concat_like([tensor] * g.world_size, "gather: tensor")
+    inp = _as_buffer(tensor, "gather: tensor", writable=False)
+    out = _as_buffer(flat, "gather: output")
+
+    def finish() -> None:
+        if problem is not None:  # (raised after taking part, so no rank is left waiting)
+            raise ValueError(problem)
+        if g.rank == dst:
+            for t, part in zip(gather_list, split()):
+                _copy_into(t, part.reshape(t.shape))
+
+    return _run(g, _ALLGATHER, inp, out, inp.count, 0, 0, (inp.owner, flat), async_op, finish)
+
+
+def scatter(tensor: Any, scatter_list: Optional[List[Any]] = None, src: int = 0,
+            group: Any = None, async_op: bool = False) -> Optional[Work]:
+    """Each rank r's tensor receives rank src's scatter_list[r]; the other ranks pass None
+    (torch.distributed.scatter). A broadcast of the whole list: meant for small tensors."""
+    g = _group(group)
+    _check_rank(g, src, "src", "scatter")
+    problem = None
+    if g.rank == src:
+        problem = _list_problem("scatter", "scatter_list", scatter_list, tensor, g.world_size)
+    elif scatter_list:
+        problem = (f"scatter: rank {g.rank} is not src={src}, so it passes no scatter_list "
+                   f"(torch's rule), got {len(scatter_list)} entries")
+    flat, split = _concat_like([tensor] * g.world_size, "scatter: tensor")
+    if g.rank == src and problem is None:
+        for part, t in zip(split(), scatter_list):
+            _copy_into(part, t.reshape(part.shape))
+    b = _as_buffer(flat, "scatter: buffer")
+
+    def finish() -> None:
+        if problem is not None:
+            raise ValueError(problem)
+        _copy_into(tensor, split()[g.rank].reshape(tensor.shape))
+
+    return _run(g, _BROADCAST, None, b, b.count, 0, src, flat, async_op, finish)
+
+
 def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM, group: Any = None,
                           async_op: bool = False) -> Optional[Work]:
     """output (n elements) receives this rank's n-element slice of the reduction of every rank's
@@ -1096,6 +1265,33 @@ def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None, dst:
         object_gather_list[:] = got
 
 
+def scatter_object_list(scatter_object_output_list: List[Any],
+                        scatter_object_input_list: Optional[List[Any]] = None, src: int = 0,
+                        group: Any = None) -> None:
+    """scatter_object_output_list[0] becomes rank src's scatter_object_input_list[r] on each rank
+    r (torch.distributed.scatter_object_list). Built on broadcast_object_list: every rank
+    unpickles the whole list, so meant for small objects."""
+    g = _group(group)
+    _check_rank(g, src, "src", "scatter_object_list")
+    problem = None
+    if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
+        problem = (f"scatter_object_list: scatter_object_output_list must be a list of at "
+                   f"least one entry (its first is set), got {scatter_object_output_list!r}")
+    got: List[Any] = [None] * g.world_size
+    if g.rank == src:
+        items = scatter_object_input_list
+        if not isinstance(items, (list, tuple)) or len(items) != g.world_size:
+            problem = problem or (f"scatter_object_list: rank {src} (src) must pass "
+                                  f"scatter_object_input_list, a list of world_size="
+                                  f"{g.world_size} objects")
+        else:
+            got = list(items)
+    broadcast_object_list(got, src=src, group=group)  # (bad lists too: no rank left waiting)
+    if problem is not None:
+        raise ValueError(problem)
+    scatter_object_output_list[0] = got[g.rank]
+
+
 def broadcast_object_list(object_list: List[Any], src: int = 0, group: Any = None,
                           device: Any = None) -> None:
     """Every rank's object_list becomes rank src's, element by element, for picklable elements
@@ -1144,3 +1340,25 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -
         return w
     w.wait()
     return None
+
+
+def monitored_barrier(group: Any = None, timeout: Any = None,
+                      wait_all_ranks: bool = False) -> None:
+    """A barrier through the store with its own timeout (default: the group's), which names
+    every rank that did not reach it (torch.distributed.monitored_barrier; wait_all_ranks is
+    accepted: all of them are always named). Raises DistributedTimeoutError."""
+    del wait_all_ranks
+    st = _require()
+    g = _group(group)
+    seconds = st.timeout if timeout is None else _timeout_seconds(timeout)
+    st.monitored += 1
+    keys = [f"ddpc/monitored_barrier/{st.monitored}/{r}" for r in range(g.world_size)]
+    st.store.set(keys[g.rank], b"1")
+    try:
+        st.store.wait(keys, seconds)
+    except _C.DistributedTimeoutError:
+        missing = [r for r in range(g.world_size) if not st.store.check([keys[r]])]
+        raise _C.DistributedTimeoutError(
+            f"monitored_barrier #{st.monitored}: rank(s) {', '.join(map(str, missing))} did not "
+            f"reach it within {seconds:g} s (rank {g.rank} waited); their output says where "
+            f"they are") from None
