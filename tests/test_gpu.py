@@ -828,6 +828,47 @@ def _w_window_memory(rank: int, world: int, ddpc: Any, torch: Any,
     return {"failures": failures}
 
 
+def _w_new_group(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Dict[str, Any]:
+    """new_group beside the nccl default group: a second NCCL communicator and a gloo one, each
+    taking its own collectives between the default group's; gather and scatter of GPU tensors;
+    the second communicator destroyed before the default one, which goes on."""
+    failures: List[str] = []
+    dev = ddpc.device()
+    nccl2 = ddpc.new_group(timeout=30)
+    cpu = ddpc.new_group(backend="gloo")
+    x = torch.full((1 << 20,), float(rank + 1), device=dev)  # 4 MiB: NCCL, not the one-shot path
+    h = torch.full((5,), float(rank + 1))
+    ddpc.all_reduce(x, group=nccl2)
+    ddpc.all_reduce(h, group=cpu)
+    ddpc.all_reduce(x)
+    want = world * world * (world + 1) / 2
+    if not torch.all(x == want) or not torch.all(h == world * (world + 1) / 2):
+        failures.append(f"all_reduce on the new groups gave {x.unique().tolist()} and "
+                        f"{h.unique().tolist()}")
+    out = [torch.zeros(3, device=dev) for _ in range(world)] if rank == 0 else None
+    ddpc.gather(torch.full((3,), float(rank), device=dev), out, group=nccl2)
+    if rank == 0 and [o.tolist() for o in out] != [[float(r)] * 3 for r in range(world)]:
+        failures.append(f"gather gave {[o.tolist() for o in out]}")
+    got = torch.zeros(2, device=dev)
+    ddpc.scatter(got, [torch.full((2,), 7.0 + r, device=dev) for r in range(world)]
+                 if rank == 0 else None)
+    if got.tolist() != [7.0 + rank] * 2:
+        failures.append(f"scatter gave {got.tolist()}")
+    if ddpc.get_backend(cpu) != "cpu" or ddpc.get_backend(nccl2) != "nccl":
+        failures.append(f"backends {ddpc.get_backend(cpu)}, {ddpc.get_backend(nccl2)}")
+    ddpc.destroy_process_group(nccl2)
+    ddpc.all_reduce(x)
+    if not torch.all(x == want * world):
+        failures.append(f"the default group after the second one's destroy gave "
+                        f"{x.unique().tolist()}")
+    return {"failures": failures}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_new_group_beside_the_nccl_default(world):
+    _assert_no_failures(_run_ranks(_w_new_group, world=world))
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_window_memory_takes_a_collective_and_outlives_its_readers(world):
     _assert_no_failures(_run_ranks(_w_window_memory, world=world))
