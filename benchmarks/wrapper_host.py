@@ -3,7 +3,9 @@
 next to the compute. Prints the step time and the time per step spent in the forward prologue
 (_attach_grads), arming the reducer (_arm), the output sink, the per-bucket gradient path
 (_slot_for: a released bucket getting memory back) and the end of backward (_finalize), for
-bucket sizes that give many buckets and few.
+bucket sizes that give many buckets and few. Then a net of 40 small convolutions in both memory
+layouts: the gradient hooks' host time per step, and the part of it in the Python path (a
+channels_last weight's gradient went there until its slot took its strides in C).
 
     python benchmarks/wrapper_host.py [--steps 50]
 
@@ -49,6 +51,33 @@ def measure(ddpc, cap_mb: float, steps: int) -> str:
             f"step {ms:.2f} ms; ms per step in {per}")
 
 
+def measure_conv(ddpc, fmt, steps: int) -> str:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(40):
+        layers += [torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU()]
+    w = ddpc.wrap_model(torch.nn.Sequential(*layers).to(memory_format=fmt))
+    opt = torch.optim.SGD(w.parameters(), lr=1e-3)
+    x = torch.randn(2, 8, 4, 4).contiguous(memory_format=fmt)
+
+    def step():
+        w(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(5):
+        step()
+    w.host_times()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    t = w.host_times()
+    return (f"40 convs, {str(fmt).split('.')[-1]:<17}: step {ms:.2f} ms; ms per step in the "
+            f"gradient hooks {t['hooks'] / steps:.3f}, of it the Python path "
+            f"{t['python'] / steps:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=50)
@@ -61,6 +90,8 @@ def main() -> None:
     ddpc.init_process_group(backend="cpu")
     for cap in (0.03, 25):
         print(measure(ddpc, cap, args.steps))
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        print(measure_conv(ddpc, fmt, args.steps))
     ddpc.destroy_process_group()
 
 
