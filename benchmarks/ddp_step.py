@@ -217,8 +217,9 @@ def describe_env(device: torch.device) -> dict:
 class Variant:
     """One way of training the model: its own model and optimizer, stepped on demand."""
 
-    def __init__(self, name: str, wrap, single: bool = False, env=None) -> None:
+    def __init__(self, name: str, wrap, single: bool = False, env=None, zero=False) -> None:
         self.name, self.wrap, self.single = name, wrap, single
+        self.zero = zero  # the AdamW sharded by ddpc.ZeroRedundancyOptimizer
         self.env = env or {}  # environment while the model is wrapped and warmed up
         self.times = []
         self.phases = []  # per timed step: host ms and GPU ms of forward, backward, optimizer,
@@ -292,7 +293,13 @@ class Variant:
                 finalize()
             self.model._finalize_on_device = marked_finalize
         fused = {"fused": True} if device.type == "cuda" else {}
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1, **fused)
+        if self.zero:
+            import ddpc
+            self.opt = ddpc.ZeroRedundancyOptimizer(self.model.parameters(), torch.optim.AdamW,
+                                                    lr=1e-4, weight_decay=0.1, **fused)
+        else:
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1,
+                                         **fused)
         self.gen = torch.Generator().manual_seed(1234 + rank)
         self.cfg, self.device = cfg, device
         for _ in range(args.warmup):
@@ -583,6 +590,13 @@ def _worker(rank, args, ports, results):
                 p.register_post_accumulate_grad_hook(lambda t: None)
             return m
         variants.append(Variant("no DDP, every rank, no-op hooks", noop_hooks))
+    if args.zero:
+        # What sharding AdamW's moments over the ranks saves in memory (about 1/world of 8 bytes
+        # per parameter is held) and costs in time (each rank's share of the parameters is
+        # broadcast to the others after the step).
+        variants += [Variant("ddpc + ZeRO AdamW", lambda m: ddpc.wrap_model(m), zero=True),
+                     Variant("ddpc bf16 + ZeRO AdamW",
+                             lambda m: ddpc.wrap_model(m, grad_dtype=torch.bfloat16), zero=True)]
     if args.comm_casts:
         # What casting a bf16 bucket to and from the wire on the communication stream, around
         # its collective, saves: the casts leave the backward's stream and the casts back leave
@@ -815,6 +829,9 @@ def main() -> int:
     ap.add_argument("--hook-cost", action="store_true",
                     help="also time the model without DDP on every rank with a no-op Python "
                          "gradient hook on every parameter: the hook mechanism's own host cost")
+    ap.add_argument("--zero", action="store_true",
+                    help="also run ddpc with AdamW sharded by ddpc.ZeroRedundancyOptimizer "
+                         "(its moments held for about 1/world of the parameters on each rank)")
     ap.add_argument("--comm-casts", action="store_true",
                     help="also run ddpc with bf16 gradients cast to and from the wire on the "
                          "communication stream around each all-reduce (DDPC_COMM_CASTS=1) "

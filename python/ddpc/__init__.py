@@ -58,7 +58,8 @@ __version__ = "0.1.0"
 _LAZY = {"wrap_model": "parallel", "unwrap": "parallel", "DistributedModel": "parallel",
          "DistributedDataParallel": "parallel",
          "DistributedSampler": "sampler", "notebook_launcher": "notebook",
-         "WorkerError": "notebook", "comm_trace": "trace", "CommTrace": "trace"}
+         "WorkerError": "notebook", "comm_trace": "trace", "CommTrace": "trace",
+         "ZeroRedundancyOptimizer": "zero"}
 
 
 def __getattr__(name):
