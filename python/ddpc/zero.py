@@ -141,7 +141,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     local[k] = v
         loss = self._local.step(closure) if closure is not None else self._local.step()
-        self._sync_parameters()
+        if self._world > 1:  # (one rank owns everything: nothing to send)
+            self._sync_parameters()
         return loss
 
     def _chunks(self) -> List[Tuple[int, List[torch.Tensor]]]:
