@@ -1448,6 +1448,7 @@ typedef struct {
 static PyObject *g_str_grad;          /* interned "grad" */
 static PyObject *g_str_is_contiguous; /* interned "is_contiguous" */
 static PyObject *g_str_stride;        /* interned "stride" */
+static PyObject *g_str_shape;         /* interned "shape" */
 static PyObject *g_str_data_ptr;      /* interned "data_ptr" */
 static PyObject *g_str_requires_grad; /* interned "requires_grad" */
 
@@ -2292,20 +2293,23 @@ static PyObject *mod_dtype_size(PyObject *m, PyObject *args) {
     return PyLong_FromSize_t(ddpc_dtype_size((ddpc_dtype)dt));
 }
 
-/* scan_grads(params, views, bucket_of, nbuckets) -> (slow, released): the wrapper's forward
- * prologue over every parameter, without a Python loop. slow is True when some gradient is not
- * in its slot (set or replaced by the caller) or some bucket holds both gradients and Nones:
- * then the caller's Python path handles everything. Otherwise released lists the buckets all
- * of whose gradients are None (to release or keep parked), in order. */
+/* scan_grads(params, views, bucket_of, nbuckets, shapes) -> (slow, released, changed): the
+ * wrapper's forward prologue over every parameter, without a Python loop. changed is the first
+ * parameter whose shape is no longer shapes[i] (resized after the wrap: its slot no longer
+ * fits), else -1; the scan stops there. slow is True when some gradient is not in its slot (set
+ * or replaced by the caller) or some bucket holds both gradients and Nones: then the caller's
+ * Python path handles everything. Otherwise released lists the buckets all of whose gradients
+ * are None (to release or keep parked), in order. */
 static PyObject *mod_scan_grads(PyObject *m, PyObject *args) {
     (void)m;
-    PyObject *params, *views, *bucket_of;
+    PyObject *params, *views, *bucket_of, *shapes;
     Py_ssize_t nb;
-    if (!PyArg_ParseTuple(args, "O!O!O!n", &PyList_Type, &params, &PyList_Type, &views,
-                          &PyList_Type, &bucket_of, &nb))
+    if (!PyArg_ParseTuple(args, "O!O!O!nO!", &PyList_Type, &params, &PyList_Type, &views,
+                          &PyList_Type, &bucket_of, &nb, &PyList_Type, &shapes))
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(params);
-    if (PyList_GET_SIZE(views) != n || PyList_GET_SIZE(bucket_of) != n || nb < 0) {
+    Py_ssize_t n = PyList_GET_SIZE(params), changed = -1;
+    if (PyList_GET_SIZE(views) != n || PyList_GET_SIZE(bucket_of) != n ||
+        PyList_GET_SIZE(shapes) != n || nb < 0) {
         PyErr_Format(PyExc_ValueError, "scan_grads: %zd parameters, %zd views, %zd bucket "
                      "indices and %zd buckets do not match", n, PyList_GET_SIZE(views),
                      PyList_GET_SIZE(bucket_of), nb);
@@ -2328,6 +2332,27 @@ static PyObject *mod_scan_grads(PyObject *m, PyObject *args) {
          * parameter, and look at the sizes again after. */
         PyObject *param = PyList_GET_ITEM(params, i);
         Py_INCREF(param);
+        PyObject *shape = PyObject_GetAttr(param, g_str_shape);
+        int same = -1;
+        if (shape && PyList_GET_SIZE(shapes) == n) {
+            PyObject *want = PyList_GET_ITEM(shapes, i);
+            Py_INCREF(want);
+            same = PyObject_RichCompareBool(shape, want, Py_EQ);
+            Py_DECREF(want);
+        }
+        Py_XDECREF(shape);
+        if (same != 1) {
+            Py_DECREF(param);
+            if (same < 0) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_RuntimeError, "scan_grads: the lists changed during "
+                                    "the scan");
+                goto out;
+            }
+            changed = i;
+            slow = 1;
+            break;
+        }
         PyObject *g = PyObject_GetAttr(param, g_str_grad);
         Py_DECREF(param);
         if (!g) goto out;
@@ -2363,13 +2388,14 @@ static PyObject *mod_scan_grads(PyObject *m, PyObject *args) {
 out:
     PyMem_Free(cnt);
     if (!released) return NULL;
-    PyObject *res = Py_BuildValue("(ON)", slow ? Py_True : Py_False, released);
+    PyObject *res = Py_BuildValue("(ONn)", slow ? Py_True : Py_False, released, changed);
     return res;
 }
 
 static PyMethodDef module_methods[] = {
     {"scan_grads", mod_scan_grads, METH_VARARGS,
-     "scan_grads(params, views, bucket_of, nbuckets) -> (slow, released buckets)"},
+     "scan_grads(params, views, bucket_of, nbuckets, shapes) -> (slow, released buckets, the "
+     "first parameter whose shape changed or -1)"},
     {"cuda_built", mod_cuda_built, METH_NOARGS, "True when this build has CUDA support"},
     {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, "visible CUDA devices (0 without)"},
     {"cuda_set_device", mod_cuda_set_device, METH_VARARGS, "bind this process to a device"},
@@ -2463,6 +2489,7 @@ static int module_exec(PyObject *m) {
         return -1;
     if (!g_str_data_ptr && !(g_str_data_ptr = PyUnicode_InternFromString("data_ptr"))) return -1;
     if (!g_str_stride && !(g_str_stride = PyUnicode_InternFromString("stride"))) return -1;
+    if (!g_str_shape && !(g_str_shape = PyUnicode_InternFromString("shape"))) return -1;
     if (!g_str_requires_grad &&
         !(g_str_requires_grad = PyUnicode_InternFromString("requires_grad")))
         return -1;

@@ -328,6 +328,29 @@ def sc_unused(rank):
         out["unfrozen"] = str(e)
     uw = ddpc.wrap_model(ddpc.unwrap(uw), bucket_cap_mb=SMALL)
     out["rewrapped_err"] = averaged_step_error(um, uw, *batch(342), rank)
+    # An output the loss ignores (a Hugging Face model's pooler_output): its parameters are
+    # unused, as under torch DDP. They got zero gradients (the sink on the outputs handed
+    # autograd zeros for the ignored output), so AdamW decayed them, with no warning.
+    class Pooled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(6, 16)
+            self.pooler = torch.nn.Linear(16, 2)
+
+        def forward(self, x):
+            h = torch.tanh(self.body(x))
+            return {"last_hidden_state": h, "pooler_output": self.pooler(h)}
+
+    for flag in (True, False):
+        pm = make(Pooled, rank, torch.float64)
+        pw = ddpc.wrap_model(pm, bucket_cap_mb=SMALL, find_unused_parameters=flag)
+        x, _ = batch(350)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pw(shard(x, rank))["last_hidden_state"].square().mean().backward()
+        out[f"pooler_{flag}"] = [None if p.grad is None else p.grad.abs().max().item()
+                                 for p in pm.pooler.parameters()]
+        out[f"pooler_warned_{flag}"] = any("pooler.weight" in str(w.message) for w in caught)
     return out
 
 
@@ -410,7 +433,36 @@ def sc_changed_after_wrap(rank):
         replaced = None
     except RuntimeError as e:
         replaced = str(e)
-    return {"errs": errs, "dtypes": dtypes, "replaced": replaced, "first": first}
+    out = {"errs": errs, "dtypes": dtypes, "replaced": replaced, "first": first}
+    # Resized after the wrap, as Hugging Face's resize_token_embeddings does it (.data = a larger
+    # tensor, the same Parameter), with gradients held as bucket views and with none: the next
+    # forward names the parameter and says to wrap again, which then averages. (It failed inside
+    # torch at backward; a shrunk one made the gradient copy read past its end.)
+    resized = []
+    # after 1 step (caught as the layout learnt in it is built) and after 2 (caught by the scan
+    # of the gradients at the forward)
+    for steps, set_to_none in ((1, False), (2, True), (2, False)):
+        model = make(MLP, rank, torch.float64)
+        wrapped = ddpc.wrap_model(model, bucket_cap_mb=SMALL)
+        for _ in range(steps):
+            mse(wrapped(shard(x, rank)), shard(y, rank)).backward()
+        model.zero_grad(set_to_none=set_to_none)
+        with torch.no_grad():
+            model.out.weight.data = torch.cat([model.out.weight, model.out.weight[:1]])
+            model.out.bias.data = model.out.bias[:2].clone()
+        try:
+            wrapped(shard(x, rank))
+            resized.append(None)
+        except ValueError as e:
+            resized.append(str(e))
+    model.out.weight.data = model.out.weight[:3].clone()
+    model.out.bias.data = torch.cat([model.out.bias, model.out.bias[:1]])
+    out["resized"] = resized
+    model.out = torch.nn.Linear(16, 4).double()  # a wider head, on every rank alike
+    wrapped = ddpc.wrap_model(ddpc.unwrap(wrapped), bucket_cap_mb=SMALL)
+    wide = lambda t: torch.cat([t, t[:, :1]], 1)  # noqa: E731
+    out["rewrapped_err"] = averaged_step_error(model, lambda t: wrapped(t), x, wide(y), rank)
+    return out
 
 
 def sc_fresh_slots(rank):
@@ -1272,6 +1324,9 @@ def test_find_unused_parameters_leaves_unused_gradients_none_as_torch_ddp(runs):
                                     "wrapped, so ddpc does not average its gradient") in \
             r["unfrozen"], r
         assert r["rewrapped_err"] < 1e-12, r
+        assert r["pooler_True"] == [None, None], r
+        assert r["pooler_False"] == [0.0, 0.0] and r["pooler_warned_False"], r
+        assert not r["pooler_warned_True"], r
 
 
 def test_torch_compile_of_the_wrapped_model_and_copies(runs):
@@ -1292,6 +1347,13 @@ def test_a_module_changed_inside_the_wrapper(runs):
         assert r["replaced"] is not None and r["replaced"].startswith(
             f"parameter(s) '{r['first']}' of the wrapped module were replaced after wrap_model "
             f"(e.g. module.weight = nn.Parameter(...)): ddpc still reduces the old ones"), r
+        assert r["resized"] == [
+            "parameter 'out.weight' has shape (4, 16), but had (3, 16) when the model was "
+            "wrapped: its size changed after wrap_model (resize_token_embeddings, or .data "
+            "replaced), so its gradient no longer fits its place in the buckets. Resize before "
+            "wrapping, or wrap again after resizing on every rank: model = "
+            "ddpc.wrap_model(ddpc.unwrap(model))"] * 3, r["resized"]
+        assert r["rewrapped_err"] < 1e-12, r
 
 
 def test_buffers_are_broadcast_when_torch_ddp_would(runs):

@@ -304,6 +304,9 @@ class _Sink(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, owner: Any, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         ctx.owner = owner
+        # An output the loss ignores (a pooler_output) gets None, not zeros: zeros would flow
+        # back into the parameters that made only it, and count them as used.
+        ctx.set_materialize_grads(False)
         # detach(): the same memory without a copy, and unlike returning the inputs as-is, not a
         # view, so the caller may still modify the outputs in place.
         return tuple(t.detach() for t in tensors)
@@ -533,6 +536,11 @@ class DistributedModel(torch.nn.Module):
         When no parameter holds a gradient (the usual case after zero_grad()), the old buckets go
         first, so that two sets of gradient buffers never exist at once."""
         params = self._params
+        old = self.__dict__.get("_shapes")
+        if old is not None:  # (a rebuild: the gradients move into new slots of the old sizes)
+            for i, p in enumerate(params):
+                if tuple(p.shape) != old[i]:
+                    raise self._resized_error(i)
         self._layout_stale = False
         if self._reducer is not None and all(p.grad is None for p in params):
             self._reducer.close()
@@ -806,8 +814,12 @@ class DistributedModel(torch.nn.Module):
             model = ref()
             if model is None:
                 return
+            if p.grad is None:
+                # Autograd runs the hook with no gradient where only undefined ones reached the
+                # parameter (it made only an output the loss ignored): unused, as if not called.
+                return
             view = model._views[i]
-            if p.grad is not None and p.grad.layout != torch.strided:
+            if p.grad.layout != torch.strided:
                 raise TypeError(f"parameter '{model._names[i]}' got a gradient of layout "
                                 f"{p.grad.layout}: ddpc reduces dense gradients only "
                                 f"(nn.Embedding and F.embedding need sparse=False)")
@@ -851,8 +863,10 @@ class DistributedModel(torch.nn.Module):
         zero_grad(set_to_none=True) on part of a bucket), zeroed where None."""
         # The usual cases (every gradient None, or every one in its slot) are found in C; the
         # loop below runs when some gradient needs moving or zeroing.
-        slow, released = _C.scan_grads(self._params, self._views, self._bucket_of,
-                                       len(self._members))
+        slow, released, changed = _C.scan_grads(self._params, self._views, self._bucket_of,
+                                                len(self._members), self._shapes)
+        if changed >= 0:
+            raise self._resized_error(changed)
         if not slow:
             if self._find_unused:
                 self._none_at_forward = {i for b in released for i in self._members[b]}
@@ -887,6 +901,14 @@ class DistributedModel(torch.nn.Module):
             for i in idx:
                 if self._params[i].requires_grad:  # (frozen since the wrap: stays None)
                     self._params[i].grad = self._views[i]
+
+    def _resized_error(self, i: int) -> ValueError:
+        return ValueError(
+            f"parameter '{self._names[i]}' has shape {tuple(self._params[i].shape)}, but had "
+            f"{self._shapes[i]} when the model was wrapped: its size changed after wrap_model "
+            f"(resize_token_embeddings, or .data replaced), so its gradient no longer fits its "
+            f"place in the buckets. Resize before wrapping, or wrap again after resizing on "
+            f"every rank: model = ddpc.wrap_model(ddpc.unwrap(model))")
 
     def _arm(self) -> None:
         # Reset before prepare(), which raises when the previous backward never finished.
