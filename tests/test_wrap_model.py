@@ -385,7 +385,24 @@ def sc_buffer_rule(rank):
         else:
             wrapped(x).sum().backward()
         seen.append(model.b[0].item() == step)  # rank 0's value: broadcast before this forward
-    return {"synced": seen}
+    # An evaluation forward through the wrapper on rank 0 alone: its broadcast of the buffers
+    # meets rank 1's next collective, and rank 0's error says where the broadcast came from.
+    # (In a group of its own, which the mismatch aborts, beside the default one.)
+    side = ddpc.new_group(timeout=20)
+    w2 = ddpc.wrap_model(Buf().double(), group=side)
+    w2(x).sum().backward()
+    error = None
+    try:
+        if rank == 0:
+            with torch.no_grad():
+                w2(x)
+        else:
+            ddpc.barrier(group=side)
+    except ddpc.DistributedError as e:
+        error = f"{type(e).__name__}: {e}"
+    ddpc.destroy_process_group(side)
+    ddpc.barrier()  # the default group goes on
+    return {"synced": seen, "error": error}
 
 
 def sc_compile(rank):
@@ -1360,6 +1377,12 @@ def test_buffers_are_broadcast_when_torch_ddp_would(runs):
     r0, r1 = result(runs, "buffer_rule")
     assert all(r0["synced"]), r0
     assert r1["synced"] == [True, True, False, False, True, False, True], r1
+    assert r0["error"].startswith("MismatchError: ") and r1["error"].startswith("MismatchError"), \
+        (r0, r1)
+    assert r0["error"].endswith(
+        "(that broadcast is this wrapped model's forward sending rank 0's buffers, as torch DDP "
+        "does before the first forward after training: every rank must run that forward. To "
+        "evaluate on one rank only, call ddpc.unwrap(model) there)"), r0
 
 
 def test_second_backward_through_the_same_graph_is_averaged_too(runs):

@@ -1104,8 +1104,15 @@ class DistributedModel(torch.nn.Module):
         if buffers:
             # The previous step's handles go only now, when their collectives are long done:
             # dropping a running one would make the host wait for the GPU.
-            with _on(self._device):
-                self._buffer_works = _broadcast_flat(buffers, self._group, self._device)
+            try:
+                with _on(self._device):
+                    self._buffer_works = _broadcast_flat(buffers, self._group, self._device)
+            except (_C.MismatchError, _C.DistributedTimeoutError) as e:
+                raise type(e)(
+                    f"{e}\n(that broadcast is this wrapped model's forward sending rank 0's "
+                    f"buffers, as torch DDP does before the first forward after training: every "
+                    f"rank must run that forward. To evaluate on one rank only, call "
+                    f"ddpc.unwrap(model) there)") from None
 
     def _attach_sink(self, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
