@@ -25,27 +25,33 @@ import ddp_step  # noqa: E402  (the model)
 METHODS = ("_attach_grads", "_arm", "_attach_sink", "_slot_for", "_finalize")
 
 
-def measure(ddpc, cap_mb: float, steps: int) -> str:
-    torch.manual_seed(0)
-    model = ddp_step.GPT(12, 64, 4, 512, 32)
-    w = ddpc.wrap_model(model, bucket_cap_mb=cap_mb)
+def timed_steps(w, loss, steps: int, reset) -> float:
+    """ms per step of `steps` SGD steps of wrapped model w on loss(w), after 5 warm-up steps and
+    then reset() (which clears the counters read after)."""
     opt = torch.optim.SGD(w.parameters(), lr=1e-3)
-    x = torch.randint(0, 512, (2, 32))
-    timers = {}
-    ddp_step.time_methods(w, METHODS, timers)
 
     def step():
-        w(x).float().logsumexp(-1).mean().backward()
+        loss(w).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     for _ in range(5):
         step()
-    timers.clear()
+    reset()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
-    ms = (time.perf_counter() - t0) / steps * 1e3
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def measure(ddpc, cap_mb: float, steps: int) -> str:
+    torch.manual_seed(0)
+    model = ddp_step.GPT(12, 64, 4, 512, 32)
+    w = ddpc.wrap_model(model, bucket_cap_mb=cap_mb)
+    x = torch.randint(0, 512, (2, 32))
+    timers = {}
+    ddp_step.time_methods(w, METHODS, timers)
+    ms = timed_steps(w, lambda m: m(x).float().logsumexp(-1).mean(), steps, timers.clear)
     per = ", ".join(f"{m} {timers.get(m, 0.0) / steps * 1e3:.3f}" for m in METHODS)
     return (f"bucket_cap_mb={cap_mb:<6g} {len(w._buckets):3d} buckets, {len(w._params)} params: "
             f"step {ms:.2f} ms; ms per step in {per}")
@@ -57,21 +63,8 @@ def measure_conv(ddpc, fmt, steps: int) -> str:
     for _ in range(40):
         layers += [torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU()]
     w = ddpc.wrap_model(torch.nn.Sequential(*layers).to(memory_format=fmt))
-    opt = torch.optim.SGD(w.parameters(), lr=1e-3)
     x = torch.randn(2, 8, 4, 4).contiguous(memory_format=fmt)
-
-    def step():
-        w(x).sum().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(5):
-        step()
-    w.host_times()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    ms = (time.perf_counter() - t0) / steps * 1e3
+    ms = timed_steps(w, lambda m: m(x).sum(), steps, w.host_times)
     t = w.host_times()
     return (f"40 convs, {str(fmt).split('.')[-1]:<17}: step {ms:.2f} ms; ms per step in the "
             f"gradient hooks {t['hooks'] / steps:.3f}, of it the Python path "

@@ -61,6 +61,28 @@ def wait_gone(pids, seconds=5.0):
     return [p for p in pids if pid_alive(p)]
 
 
+def start_printing_pids(args, tmp_path, n=2):
+    """Starts the launcher on ranks that print "PID <pid>" first; returns (the launcher's
+    process, the n ranks' pids) once all have printed (the process is killed on failure)."""
+    proc = subprocess.Popen([sys.executable, "-m", "ddpc.launch"] + args, cwd=tmp_path,
+                            env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    pids = []
+    deadline = time.monotonic() + 30
+    while len(pids) < n and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        m = re.search(r"PID (\d+)", line)
+        if m:
+            pids.append(int(m.group(1)))
+    if len(pids) < n:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"only {len(pids)} of {n} ranks started")
+    return proc, pids
+
+
 ENV_KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
             "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
             "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS", "DDPC_TOKEN",
@@ -321,20 +343,8 @@ def test_ctrl_c_stops_every_worker(tmp_path):
         print(f"PID {os.getpid()}", flush=True)
         time.sleep(60)
     """)
-    proc = subprocess.Popen([sys.executable, "-m", "ddpc.launch", "--nproc-per-node", "2",
-                             "sleepy.py"], cwd=tmp_path, env=launcher_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, pids = start_printing_pids(["--nproc-per-node", "2", "sleepy.py"], tmp_path)
     try:
-        pids = []
-        deadline = time.monotonic() + 30
-        while len(pids) < 2 and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            m = re.search(r"PID (\d+)", line)
-            if m:
-                pids.append(int(m.group(1)))
-        assert len(pids) == 2, "workers did not start"
         proc.send_signal(signal.SIGINT)
         rest, err = proc.communicate(timeout=20)
     finally:
@@ -878,20 +888,9 @@ def test_no_python_program_dies_with_a_killed_launcher(tmp_path):
         exec sleep 60
     """)
     prog.chmod(0o755)
-    proc = subprocess.Popen([sys.executable, "-m", "ddpc.launch", "--nproc-per-node", "2",
-                             "--no-python", "./sleepy.sh"], cwd=tmp_path, env=launcher_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, pids = start_printing_pids(["--nproc-per-node", "2", "--no-python", "./sleepy.sh"],
+                                     tmp_path)
     try:
-        pids = []
-        deadline = time.monotonic() + 30
-        while len(pids) < 2 and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            m = re.search(r"PID (\d+)", line)
-            if m:
-                pids.append(int(m.group(1)))
-        assert len(pids) == 2, "ranks did not start"
         assert all(pid_alive(p) for p in pids)
         proc.kill()
     finally:

@@ -1078,8 +1078,15 @@ def all_gather(tensor_list: List[Any], tensor: Any, group: Any = None,
     return _run(g, _ALLGATHER, inp, out, inp.count, 0, 0, (inp.owner, flat), async_op, finish)
 
 
-def _list_problem(op: str, name: str, items: Any, tensor: Any, world: int) -> Optional[str]:
-    """Why items cannot be gather's gather_list / scatter's scatter_list for tensor, or None."""
+def _list_problem(op: str, name: str, items: Any, tensor: Any, g: Any, root: int,
+                  root_name: str) -> Optional[str]:
+    """Why items cannot be gather's gather_list / scatter's scatter_list for tensor on this
+    rank (the root passes world_size tensors like tensor, the others none), or None."""
+    world = g.world_size
+    if g.rank != root:
+        return None if not items else (
+            f"{op}: rank {g.rank} is not {root_name}={root}, so it passes no {name} (torch's "
+            f"rule), got {len(items)} entries")
     if not isinstance(items, (list, tuple)) or len(items) != world:
         return (f"{op}: {name} must be a list of world_size={world} tensors, got "
                 f"{type(items).__name__}"
@@ -1100,12 +1107,7 @@ def gather(tensor: Any, gather_list: Optional[List[Any]] = None, dst: int = 0,
     metrics and predictions, where world_size copies do not matter."""
     g = _group(group)
     _check_rank(g, dst, "dst", "gather")
-    problem = None
-    if g.rank == dst:
-        problem = _list_problem("gather", "gather_list", gather_list, tensor, g.world_size)
-    elif gather_list:
-        problem = (f"gather: rank {g.rank} is not dst={dst}, so it passes no gather_list "
-                   f"(torch's rule), got {len(gather_list)} entries")
+    problem = _list_problem("gather", "gather_list", gather_list, tensor, g, dst, "dst")
     flat, split = _concat_like([tensor] * g.world_size, "gather: tensor")
     inp = _as_buffer(tensor, "gather: tensor", writable=False)
     out = _as_buffer(flat, "gather: output")
@@ -1126,12 +1128,7 @@ def scatter(tensor: Any, scatter_list: Optional[List[Any]] = None, src: int = 0,
     (torch.distributed.scatter). A broadcast of the whole list: meant for small tensors."""
     g = _group(group)
     _check_rank(g, src, "src", "scatter")
-    problem = None
-    if g.rank == src:
-        problem = _list_problem("scatter", "scatter_list", scatter_list, tensor, g.world_size)
-    elif scatter_list:
-        problem = (f"scatter: rank {g.rank} is not src={src}, so it passes no scatter_list "
-                   f"(torch's rule), got {len(scatter_list)} entries")
+    problem = _list_problem("scatter", "scatter_list", scatter_list, tensor, g, src, "src")
     flat, split = _concat_like([tensor] * g.world_size, "scatter: tensor")
     if g.rank == src and problem is None:
         for part, t in zip(split(), scatter_list):
