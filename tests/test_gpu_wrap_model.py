@@ -1182,7 +1182,7 @@ def check_join_hook(runs: Dict[int, Dict[str, Any]]) -> None:
 def check_zero(runs: Dict[int, Dict[str, Any]]) -> None:
     world = len(runs)
     for r in result(runs, "zero"):
-        assert r["err"] == 0.0, r  # the owner's update is the plain optimizer's, element for element
+        assert r["err"] == 0.0, r  # the owner steps as the plain optimizer, element by element
         assert r["owners"] == list(range(world)), r
         if "zero_mib" in r:
             # the moments of the parameters other ranks own are not held here (2 ranks: half of

@@ -92,16 +92,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         # Largest first, each to the rank holding the fewest bytes: the same split on every
         # rank, as every rank sees the same parameters in the same order.
-        order = sorted(range(len(group["params"])),
-                       key=lambda i: -group["params"][i].numel() * group["params"][i].element_size())
-        for i in order:
-            p = group["params"][i]
+        params = group["params"]
+        for i in sorted(range(len(params)),
+                        key=lambda i: -params[i].numel() * params[i].element_size()):
+            p = params[i]
             if p in self._owner:
                 continue  # (the base class refuses a parameter in two groups)
             r = min(range(self._world), key=lambda k: (self._load[k], k))
             self._owner[p] = r
             self._load[r] += p.numel() * p.element_size()
         if self._local is not None:
+            self._check_same_everywhere()
             self._local.add_param_group(self._local_group(group))
             for k, v in self._local.param_groups[-1].items():
                 if k != "params":
