@@ -1,0 +1,119 @@
+"""python -m ddpc.plan: its numbers against the bytes real training holds (weights, gradients,
+AdamW's and SGD's state, tied and frozen parameters), the parameter counts it reads, a model
+built on the meta device, and its bad inputs."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ddpc import plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 8)
+        self.mid = torch.nn.Linear(8, 8).double()
+        self.head = torch.nn.Linear(8, 50, bias=False)
+        self.head.weight = self.emb.weight  # one tensor, counted once
+        self.frozen = torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(self.mid(h.double()).float() + self.frozen(h))
+
+
+def nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("optimizer,make", [
+    ("adamw", lambda ps: torch.optim.AdamW(ps, lr=0.1)),
+    ("adamw-amsgrad", lambda ps: torch.optim.AdamW(ps, lr=0.1, amsgrad=True)),
+    ("sgd-momentum", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+    ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1)),
+])
+def test_estimate_equals_what_a_training_step_holds(optimizer, make):
+    torch.manual_seed(0)
+    model = Tied()
+    opt = make([p for p in model.parameters() if p.requires_grad])
+    model(torch.randint(0, 50, (4, 3))).sum().backward()
+    opt.step()
+    rows = {r.name: r for r in plan.estimate(plan.module_params(model), 2, optimizer)}
+    params = list(model.parameters())  # (tied: once)
+    assert rows["one GPU alone"].weights == nbytes(params)
+    assert rows["one GPU alone"].grads == nbytes(p.grad for p in params if p.grad is not None)
+    state = [t for s in opt.state.values() for k, t in s.items()
+             if k != "step" and isinstance(t, torch.Tensor)]
+    assert rows["one GPU alone"].optimizer == nbytes(state)
+    assert rows["ddpc"].total == rows["one GPU alone"].total
+    assert rows["torch DDP"].reducer == rows["one GPU alone"].grads
+    assert rows["ddpc + ZeroRedundancyOptimizer"].optimizer == nbytes(state) / 2
+    # bf16 wires for the trainable float32 and float64 elements, none for the frozen layer
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    assert rows["ddpc grad_dtype=bf16"].reducer == 2 * trainable
+    assert plan.estimate(plan.module_params(model), 1, optimizer, autocast=True)[0].autocast \
+        == 2 * sum(p.numel() for p in params)
+
+
+@pytest.mark.parametrize("text,count", [("1.5B", 1_500_000_000), ("350M", 350_000_000),
+                                        ("163e6", 163_000_000), ("7k", 7000), ("12", 12),
+                                        (" 2.5b ", 2_500_000_000)])
+def test_parameter_counts(text, count):
+    assert plan.parse_count(text) == count
+
+
+def run_plan(args, cwd):
+    return subprocess.run([sys.executable, "-m", "ddpc.plan"] + args, cwd=cwd,
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python")))
+
+
+def test_a_model_built_on_the_meta_device_and_the_verdict(tmp_path):
+    (tmp_path / "mymodels.py").write_text(textwrap.dedent("""
+        import torch
+
+        def build():
+            # made on the meta device: no memory, so any size can be planned
+            assert torch.empty(1).device.type == "meta"
+            return torch.nn.Sequential(torch.nn.Linear(16384, 16384), torch.nn.Linear(16384, 8))
+    """))
+    res = run_plan(["--model", "mymodels:build", "--nproc", "2", "--gpu-memory", "5"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert out.startswith("mymodels:build: 268.6M parameters (268.6M trainable), 32-bit; adamw; "
+                          "2 GPU(s); 5.00 GiB per GPU (as given)"), out
+    # 1 GiB of weights, 1 of gradients, 2 of AdamW state: 4 GiB alone, 5 with torch DDP
+    row = {ln[:32].strip(): ln[32:].split() for ln in out.splitlines()[2:7]}
+    assert row["ddpc"][:6] == ["1.00", "1.00", "0.00", "2.00", "0.00", "4.00"], out
+    assert row["torch DDP"][5:] == ["5.00", "-0.00", "does", "not", "fit"], out
+    assert row["ddpc + ZeroRedundancyOptimizer"][3] == "1.00", out
+    assert "verdict: fits with ddpc, ddpc grad_dtype=bf16, ddpc + ZeroRedundancyOptimizer; most " \
+           "room for activations with ddpc + ZeroRedundancyOptimizer (2.00 GiB" in out, out
+    res = run_plan(["--params", "15.5B", "--nproc", "2", "--gpu-memory", "80"], tmp_path)
+    assert "verdict: the model's states alone do not fit on one GPU with any of these" in \
+        res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--params", "0"], "expected a parameter count of at least 1, got '0'"),
+    (["--params", "lots"], "expected a parameter count such as 1.5B"),
+    (["--params", "1B", "--nproc", "0"], "argument --nproc: expected at least 1, got 0"),
+    (["--params", "1B", "--gpu-memory", "nan"], "argument --gpu-memory: expected GiB above 0"),
+    (["--params", "1B", "--optimizer", "lion"], "argument --optimizer: invalid choice: 'lion'"),
+    (["--model", "nomodule_xyz:build"], "cannot import 'nomodule_xyz'"),
+    (["--model", "os:nothing_here"], "'os' has no function 'nothing_here'"),
+    (["--model", "os"], "expected MODULE:FUNCTION"),
+    (["--model", "os:getcwd"], "getcwd() returned a str, not a torch.nn.Module"),
+    ([], "one of the arguments --params --model is required"),
+])
+def test_bad_inputs_are_named(tmp_path, args, message):
+    res = run_plan(args, tmp_path)
+    assert res.returncode == 2, res.stdout
+    assert message in res.stderr, res.stderr
