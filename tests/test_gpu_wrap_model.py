@@ -537,7 +537,37 @@ def sc_zero(rank: int, dev: torch.device) -> Dict[str, Any]:
         out["zero_mib"] = _peak_mib(dev, build, make_opt=lambda ps: ddpc.ZeroRedundancyOptimizer(
             ps, torch.optim.AdamW, lr=1e-4, fused=True))
         out["state_mib"] = 2 * sum(p.numel() for p in mid_model().parameters()) * 4 / 2 ** 20
+        # What ddpc.plan says these hold after a step (weights, gradients, optimizer state),
+        # against what they hold (torch's allocator, after the workspaces of the runs above)
+        from ddpc import plan
+        rows = {r.name: r.total / 2 ** 20 for r in plan.estimate(
+            plan.module_params(mid_model()), ddpc.get_world_size(), "adamw")}
+        for name, make_opt in (("ddpc", None), ("ddpc + ZeroRedundancyOptimizer",
+                                                lambda ps: ddpc.ZeroRedundancyOptimizer(
+                                                    ps, torch.optim.AdamW, lr=1e-4, fused=True))):
+            out.setdefault("held_vs_plan", []).append(
+                (name, _held_mib(dev, build, make_opt), rows[name]))
     return out
+
+
+def _held_mib(dev: torch.device, build: Callable, make_opt: Callable = None) -> float:
+    """torch.cuda.memory_allocated added by building a model and 2 steps of fused AdamW (or
+    make_opt(params)), gradients kept: the model's states, with the activations gone."""
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    model = build()
+    opt = (make_opt or (lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)))(
+        model.parameters())
+    for step in range(2):
+        x = torch.randn(B, 1024, generator=torch.Generator().manual_seed(step)).to(dev)
+        opt.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+        opt.step()
+    torch.cuda.synchronize(dev)
+    held = (torch.cuda.memory_allocated(dev) - base) / 2 ** 20
+    del model, opt
+    return held
 
 
 def sc_side_stream(rank: int, dev: torch.device) -> Dict[str, Any]:
@@ -1189,6 +1219,9 @@ def check_zero(runs: Dict[int, Dict[str, Any]]) -> None:
             # the 96 MiB); one rank alone holds them all and must cost no more than the plain one
             saved = r["state_mib"] * (1 - 1 / world)
             assert r["zero_mib"] <= r["plain_mib"] - 0.8 * saved + 2, r
+            # ddpc.plan's numbers are what a step holds, to 2% and the allocator's rounding
+            for name, held, planned in r["held_vs_plan"]:
+                assert abs(held - planned) <= 0.02 * planned + 8, (name, held, planned)
 
 
 def check_unused_compile(runs: Dict[int, Dict[str, Any]]) -> None:

@@ -111,6 +111,7 @@ def test_a_model_built_on_the_meta_device_and_the_verdict(tmp_path):
     (["--model", "os:nothing_here"], "'os' has no function 'nothing_here'"),
     (["--model", "os"], "expected MODULE:FUNCTION"),
     (["--model", "os:getcwd"], "getcwd() returned a str, not a torch.nn.Module"),
+    (["--model", "os:remove"], "remove() raised TypeError: "),
     ([], "one of the arguments --params --model is required"),
 ])
 def test_bad_inputs_are_named(tmp_path, args, message):

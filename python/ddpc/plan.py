@@ -121,8 +121,14 @@ def build_on_meta(spec: str) -> Any:
     if not callable(factory):
         raise ValueError(f"--model {spec!r}: {mod_name!r} has no function {attr!r}")
     import torch
-    with torch.device("meta"):
-        model = factory()
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as e:  # noqa: BLE001 - the user's factory: whatever it raises is reported
+        raise ValueError(f"--model {spec!r}: {attr}() raised {type(e).__name__}: {e} (it is "
+                         f"called with no arguments, on the meta device: a function that "
+                         f"builds the model from its config, not one that loads weights)") \
+            from None
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"--model {spec!r}: {attr}() returned a {type(model).__name__}, not a "
                          f"torch.nn.Module")
