@@ -483,6 +483,16 @@ def scenario_torch_names() -> Dict:
                      else None, src=0)  # (the last rank is not src: it passes none)
     except ValueError as e:
         errors["scatter"] = str(e)
+    # src's own list is bad: every rank raises (the others used to take memory src never
+    # filled), tensors and objects alike
+    for key, call in (("scatter_src", lambda: ddpc.scatter(
+            got, [np.zeros(4, dtype=np.float32)] if rank == 1 else None, src=1)),
+                      ("scatter_object_src", lambda: ddpc.scatter_object_list(
+                          [None], None, src=1))):
+        try:
+            call()
+        except (ValueError, ddpc.DistributedError) as e:
+            errors[key] = f"{type(e).__name__}: {e}"
     # A second group: every rank, another timeout; collectives on it and on the default one
     # interleave.
     side = ddpc.new_group(backend="gloo", timeout=5.0)
@@ -516,6 +526,16 @@ def scenario_torch_names() -> Dict:
     except ValueError as e:
         errors["destroyed"] = str(e)
     ddpc.all_reduce(y)  # the default group goes on
+    # new_group on rank 0 alone: it times out saying that every rank must call new_group
+    if rank == 0:
+        try:
+            ddpc.new_group(timeout=1.0)
+        except ddpc.DistributedError as e:
+            errors["lonely"] = f"{type(e).__name__}: {e}"
+        ddpc.get_store().set("cpu-test/lonely-done", b"1")
+    else:
+        ddpc.get_store().get("cpu-test/lonely-done", 60.0)
+    ddpc.all_reduce(y)
     ddpc.destroy_process_group()
     return {"errors": errors, "elapsed": elapsed}
 
@@ -613,6 +633,25 @@ def test_torch_distributed_names(world, tmp_path):
             assert e["monitored"].startswith(f"monitored_barrier #2: rank(s) {world - 1} did not "
                                              f"reach it within 1 s (rank {r} waited)"), e
             assert 0.9 < res["elapsed"] < 8, res
+        if r == 1:
+            assert e["scatter_src"] == (f"ValueError: scatter: scatter_list must be a list of "
+                                        f"world_size={world} tensors, got list of length 1"), e
+            assert e["scatter_object_src"].startswith(
+                "ValueError: scatter_object_list: rank 1 (src) must pass "
+                "scatter_object_input_list"), e
+        else:
+            assert e["scatter_src"] == (f"DistributedError: scatter: rank 1 (src) refused its "
+                                        f"scatter_list (that rank's error says why); rank {r} "
+                                        f"got nothing"), e
+            assert e["scatter_object_src"] == (
+                f"DistributedError: scatter_object_list: rank 1 (src) refused its "
+                f"scatter_object_input_list (that rank's error says why); rank {r} got "
+                f"nothing"), e
+        if r == 0:
+            assert e["lonely"].startswith("DistributedTimeoutError: new_group (the group #2 this "
+                                          "rank made): creating the cpu process group"), e
+            assert e["lonely"].endswith("(every rank must call new_group, the same number of "
+                                        "times and in the same order)"), e
         ng = e["new_group"]
         assert ng[0].startswith("NotImplementedError: new_group(ranks=[0]): a group of some of "
                                 f"the {world} ranks is not supported"), ng

@@ -880,6 +880,26 @@ def test_no_python_runs_a_program_with_the_ranks_environment(tmp_path):
     assert "rank 1: the data file is missing" in summary
 
 
+def test_no_python_program_gets_default_signals_and_a_hint_for_a_missing_shebang(tmp_path):
+    """Python ignores SIGPIPE and SIGXFSZ, and an exec keeps ignored signals: the program must
+    get their defaults back (a pipeline's writer dies of SIGPIPE, as from a shell)."""
+    prog = write(tmp_path, "sigs.sh", """\
+        #!/bin/sh
+        grep SigIgn /proc/self/status
+    """)
+    prog.chmod(0o755)
+    rc, out, err, _ = launch(["--nproc-per-node", "1", "--no-python", "./sigs.sh"], tmp_path)
+    assert rc == 0, err
+    ignored = int(re.search(r"SigIgn:\s*([0-9a-f]+)", out).group(1), 16)
+    assert not ignored & (1 << (signal.SIGPIPE - 1)), hex(ignored)
+    assert not ignored & (1 << (signal.SIGXFSZ - 1)), hex(ignored)
+    bare = write(tmp_path, "bare.sh", "echo no shebang\n")
+    bare.chmod(0o755)
+    rc, out, err, _ = launch(["--nproc-per-node", "1", "--no-python", "./bare.sh"], tmp_path)
+    assert rc == 1
+    assert "cannot run './bare.sh': Exec format error: it has no #! line (add one" in err, err
+
+
 def test_no_python_program_dies_with_a_killed_launcher(tmp_path):
     """The death signal the rank's wrapper sets outlives its exec of the program."""
     prog = write(tmp_path, "sleepy.sh", """\

@@ -4,6 +4,7 @@ parameter groups added later and frozen parameters; checkpoints consolidated on 
 loaded back (into it or into the plain optimizer); and the bad inputs, each named."""
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -151,6 +152,41 @@ def sc_added_group(rank):
     return {"diff": max_diff(*models), "owners": owners}
 
 
+def sc_frozen_later(rank):
+    """A layer frozen after two steps, gradients kept (zero_grad(set_to_none=False)): AdamW
+    still moves it (weight decay, momentum), and every replica must see that move (it was left
+    out of the sends, so the replicas drifted apart silently). Also OneCycleLR, which looks for
+    AdamW's betas in the optimizer's defaults."""
+    import ddpc
+    torch.manual_seed(3)
+    models = [Net().double() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    zero = ddpc.ZeroRedundancyOptimizer(models[0].parameters(), torch.optim.AdamW, lr=0.05)
+    plain = torch.optim.AdamW(models[1].parameters(), lr=0.05)
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10)
+              for o in (zero, plain)]
+    wrapped = [ddpc.wrap_model(m) for m in models]
+    for step in range(5):
+        for w, m, o, sc in zip(wrapped, models, (zero, plain), scheds):
+            if step == 2:
+                m.a.requires_grad_(False)
+            ids, y = batch(step, rank)
+            o.zero_grad(set_to_none=False)
+            torch.nn.functional.mse_loss(w(ids), y).backward()
+            o.step()
+            sc.step()
+    everywhere = [None] * WORLD
+    ddpc.all_gather_object(everywhere, [p.tolist() for p in models[0].parameters()])
+    errors = []
+    try:
+        zero.state_dict()  # consolidated before the last steps: stale, so refused
+    except RuntimeError as e:
+        errors.append(str(e))
+    return {"diff": max_diff(*models), "same_on_every_rank": all(e == everywhere[0]
+                                                                 for e in everywhere),
+            "betas": zero.param_groups[0]["betas"], "errors": errors}
+
+
 def sc_bad_inputs(rank):
     import ddpc
     errors = []
@@ -160,17 +196,27 @@ def sc_bad_inputs(rank):
                                                      overlap_with_ddp=True),
                 # rank 2 leaves a parameter out: every rank raises, none steps wrong parameters
                 lambda: ddpc.ZeroRedundancyOptimizer(
-                    list(model.parameters())[:-2 if rank == 2 else None], torch.optim.AdamW)):
+                    list(model.parameters())[:-2 if rank == 2 else None], torch.optim.AdamW),
+                lambda: ddpc.ZeroRedundancyOptimizer(model.parameters(), torch.optim.LBFGS)):
         try:
             bad()
             errors.append("no error")
         except (TypeError, NotImplementedError, ddpc.MismatchError) as e:
             errors.append(f"{type(e).__name__}: {e}")
+    # a group added on one rank with another shape: raised, and not left half added
+    zero = ddpc.ZeroRedundancyOptimizer(model.a.parameters(), torch.optim.SGD, lr=0.1)
+    try:
+        zero.add_param_group({"params": [model.b.weight if rank else model.head.weight]})
+        errors.append("no error")
+    except ddpc.MismatchError as e:
+        errors.append(f"MismatchError: {e}")
+    errors.append(len(zero.param_groups))
     return {"errors": errors}
 
 
 SCENARIOS = [("same", sc_same_as_plain), ("checkpoint", sc_checkpoint),
-             ("added_group", sc_added_group), ("bad", sc_bad_inputs)]
+             ("added_group", sc_added_group), ("frozen_later", sc_frozen_later),
+             ("bad", sc_bad_inputs)]
 
 
 def _worker(rank, port, results, ckpt):
@@ -230,6 +276,15 @@ def test_a_group_added_later_is_split_and_stepped(runs):
         assert r["owners"] == [0, 1, 2]
 
 
+def test_a_layer_frozen_later_moves_alike_on_every_rank(runs):
+    for r in scenario_result(runs, "frozen_later"):
+        assert r["same_on_every_rank"], r
+        assert r["diff"] < 1e-12, r
+        assert tuple(r["betas"]) != (0.9, 0.999)  # OneCycleLR cycles beta1
+        assert r["errors"] and "consolidate_state_dict(to=R) on every rank first (after the " \
+            "last step)" in r["errors"][0], r
+
+
 def test_bad_inputs_are_named_on_every_rank(runs):
     for rank, r in enumerate(scenario_result(runs, "bad")):
         e = r["errors"]
@@ -238,3 +293,9 @@ def test_bad_inputs_are_named_on_every_rank(runs):
         assert e[1].startswith("NotImplementedError: ZeroRedundancyOptimizer(overlap_with_ddp"), e
         assert e[2].startswith(f"MismatchError: ZeroRedundancyOptimizer: rank {rank} and rank "), e
         assert "build it from the same model on every rank" in e[2], e
+        # rank 2 left the last two parameters (head's) out
+        assert re.search(r"group 0 has (8|6) parameter\(s\) on rank \d, (8|6) on rank \d\)", e[2]), e
+        assert e[3].startswith("NotImplementedError: ZeroRedundancyOptimizer(torch.optim.LBFGS)")
+        assert e[4].startswith("MismatchError: ZeroRedundancyOptimizer: rank ") and \
+            "parameter 0 of group 1 is [" in e[4], e
+        assert e[5] == 1, e  # the refused group is not kept

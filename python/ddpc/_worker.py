@@ -3,6 +3,7 @@
 on an uncaught exception writes a JSON error report to $DDPC_ERROR_FILE for the launcher.
 `python -m ddpc._worker --exec program args...` (launch --no-python) becomes the program."""
 import ctypes
+import errno
 import faulthandler
 import json
 import os
@@ -135,11 +136,18 @@ def main(argv: list[str]) -> None:
     die_with_parent()
     if argv[0] == "--exec":
         # The death signal set above outlives the exec, so the program still dies with the
-        # launcher.
+        # launcher. Python ignores SIGPIPE and SIGXFSZ, and ignored signals outlive an exec too:
+        # the program gets their defaults back, as from a shell (a pipeline's `yes | head`).
+        for name in ("SIGPIPE", "SIGXFSZ"):
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), signal.SIG_DFL)
         try:
             os.execvp(argv[1], argv[1:])
         except OSError as e:
-            raise SystemExit(f"ddpc._worker: cannot run {argv[1]!r}: {e.strerror or e}") from None
+            hint = (": it has no #! line (add one, e.g. #!/bin/sh, as its first line)"
+                    if e.errno == errno.ENOEXEC else "")
+            raise SystemExit(f"ddpc._worker: cannot run {argv[1]!r}: {e.strerror or e}{hint}") \
+                from None
     enable_stack_dumps()
     sys.excepthook = _trimming_hook(sys.excepthook)
     error_file = os.environ.get("DDPC_ERROR_FILE", "")

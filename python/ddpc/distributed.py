@@ -696,11 +696,16 @@ def new_group(ranks: Optional[Sequence[int]] = None, timeout: Any = None,
                          "init_process_group(backend='nccl') to use NCCL")
     seconds = st.timeout if timeout is None else _timeout_seconds(timeout)
     st.groups_made += 1
-    g = _C.Group(st.store, st.rank, st.world_size, local_rank=st.local_rank,
-                 local_world_size=st.local_world_size, backend=b, timeout=seconds,
-                 prefix=f"g{st.groups_made}", transport=_cpu_transport(), host_id=_host_id(),
-                 bind_addr=_local_addr_towards(st.master[0]),
-                 device=-1 if b != "nccl" else st.device_index)
+    try:
+        g = _C.Group(st.store, st.rank, st.world_size, local_rank=st.local_rank,
+                     local_world_size=st.local_world_size, backend=b, timeout=seconds,
+                     prefix=f"g{st.groups_made}", transport=_cpu_transport(),
+                     host_id=_host_id(), bind_addr=_local_addr_towards(st.master[0]),
+                     device=-1 if b != "nccl" else st.device_index)
+    except _C.DistributedTimeoutError as e:
+        raise _C.DistributedTimeoutError(
+            f"new_group (the group #{st.groups_made} this rank made): {e}\n(every rank must call "
+            f"new_group, the same number of times and in the same order)") from None
     st.subgroups.append(g)
     return g
 
@@ -1036,6 +1041,20 @@ def _concat_like(items: Sequence[Any], what: str) -> Tuple[Any, Any]:
     return flat, lambda: [flat[i] for i in range(len(items))]
 
 
+def _flat_like(x: Any, count: int, what: str) -> Any:
+    """A fresh 1-D array of count elements of x's dtype, on x's device (a torch tensor or
+    anything NumPy takes)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return torch.empty(count, dtype=x.dtype, device=x.device)
+    import numpy as np
+    try:
+        return np.empty(count, dtype=np.asarray(x).dtype)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what}: pass a torch tensor or a NumPy array, got "
+                        f"{type(x).__name__} ({e})") from None
+
+
 def _numel(x: Any) -> Optional[int]:
     n = getattr(x, "numel", None)
     if callable(n):
@@ -1129,16 +1148,24 @@ def scatter(tensor: Any, scatter_list: Optional[List[Any]] = None, src: int = 0,
     g = _group(group)
     _check_rank(g, src, "src", "scatter")
     problem = _list_problem("scatter", "scatter_list", scatter_list, tensor, g, src, "src")
-    flat, split = _concat_like([tensor] * g.world_size, "scatter: tensor")
-    if g.rank == src and problem is None:
-        for part, t in zip(split(), scatter_list):
-            _copy_into(part, t.reshape(part.shape))
+    # One element more than the parts: src's verdict on its list (1: good), so that a list src
+    # refused makes every rank raise instead of taking memory src never filled.
+    n = _numel(tensor)
+    flat = _flat_like(tensor, g.world_size * n + 1, "scatter: tensor")
+    if g.rank == src:
+        if problem is None:
+            for r, t in enumerate(scatter_list):
+                _copy_into(flat[r * n:(r + 1) * n], t.reshape(-1))
+        flat[-1] = 1 if problem is None else 0
     b = _as_buffer(flat, "scatter: buffer")
 
     def finish() -> None:
         if problem is not None:
             raise ValueError(problem)
-        _copy_into(tensor, split()[g.rank].reshape(tensor.shape))
+        if flat[-1] != 1:
+            raise _C.DistributedError(f"scatter: rank {src} (src) refused its scatter_list (that "
+                                      f"rank's error says why); rank {g.rank} got nothing")
+        _copy_into(tensor, flat[g.rank * n:(g.rank + 1) * n].reshape(tensor.shape))
 
     return _run(g, _BROADCAST, None, b, b.count, 0, src, flat, async_op, finish)
 
@@ -1274,7 +1301,8 @@ def scatter_object_list(scatter_object_output_list: List[Any],
     if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
         problem = (f"scatter_object_list: scatter_object_output_list must be a list of at "
                    f"least one entry (its first is set), got {scatter_object_output_list!r}")
-    got: List[Any] = [None] * g.world_size
+    # [src's verdict on its list, the list]: a list src refused makes every rank raise
+    box: List[Any] = [False, None]
     if g.rank == src:
         items = scatter_object_input_list
         if not isinstance(items, (list, tuple)) or len(items) != g.world_size:
@@ -1282,11 +1310,15 @@ def scatter_object_list(scatter_object_output_list: List[Any],
                                   f"scatter_object_input_list, a list of world_size="
                                   f"{g.world_size} objects")
         else:
-            got = list(items)
-    broadcast_object_list(got, src=src, group=group)  # (bad lists too: no rank left waiting)
+            box = [True, list(items)]
+    broadcast_object_list(box, src=src, group=group)  # (bad lists too: no rank left waiting)
     if problem is not None:
         raise ValueError(problem)
-    scatter_object_output_list[0] = got[g.rank]
+    if not box[0]:
+        raise _C.DistributedError(f"scatter_object_list: rank {src} (src) refused its "
+                                  f"scatter_object_input_list (that rank's error says why); "
+                                  f"rank {g.rank} got nothing")
+    scatter_object_output_list[0] = box[1][g.rank]
 
 
 def broadcast_object_list(object_list: List[Any], src: int = 0, group: Any = None,

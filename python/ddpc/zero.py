@@ -59,6 +59,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise TypeError(f"ZeroRedundancyOptimizer: optimizer_class must be a "
                             f"torch.optim.Optimizer subclass such as torch.optim.AdamW, got "
                             f"{optimizer_class!r}")
+        if issubclass(optimizer_class, torch.optim.LBFGS):
+            raise NotImplementedError(
+                "ZeroRedundancyOptimizer(torch.optim.LBFGS): LBFGS's line search looks at every "
+                "parameter at once and calls the closure a different number of times on each "
+                "rank once the parameters are split; use LBFGS unsharded")
         if overlap_with_ddp:
             raise NotImplementedError(
                 "ZeroRedundancyOptimizer(overlap_with_ddp=True) is not supported: ddpc's reducer "
@@ -75,8 +80,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._check_same_everywhere()
         local_groups = [self._local_group(g) for g in self.param_groups]
         self._local = optimizer_class(local_groups, **defaults)
-        # The plain optimizer's hyperparameters (betas, eps, ...) appear in param_groups too, so
-        # a scheduler that sets them finds them.
+        # The plain optimizer's hyperparameters (betas, eps, ...) appear in defaults and
+        # param_groups too, so a scheduler that looks for them (OneCycleLR's betas) finds them.
+        for k, v in self._local.defaults.items():
+            self.defaults.setdefault(k, v)
         for mine, local in zip(self.param_groups, self._local.param_groups):
             for k, v in local.items():
                 if k != "params":
@@ -102,7 +109,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._owner[p] = r
             self._load[r] += p.numel() * p.element_size()
         if self._local is not None:
-            self._check_same_everywhere()
+            try:
+                self._check_same_everywhere()
+            except _C.MismatchError:
+                self.param_groups.pop()  # (not half added: the shard's optimizer never saw it)
+                for p in params:
+                    self._load[self._owner[p]] -= p.numel() * p.element_size()
+                    del self._owner[p]
+                raise
             self._local.add_param_group(self._local_group(group))
             for k, v in self._local.param_groups[-1].items():
                 if k != "params":
@@ -123,9 +137,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if theirs != mine:
                 raise _C.MismatchError(
                     f"ZeroRedundancyOptimizer: rank {self._rank} and rank {r} were given "
-                    f"different parameters ({_describe(mine)} against {_describe(theirs)}): "
-                    f"build it from the same model on every rank, e.g. "
-                    f"ddpc.unwrap(model).parameters()")
+                    f"different parameters ({_difference(mine, theirs, self._rank, r)}): build "
+                    f"it from the same model on every rank, e.g. ddpc.unwrap(model).parameters()")
 
     def owner(self, param: torch.Tensor) -> int:
         """The rank that holds param's optimizer state and steps it."""
@@ -142,18 +155,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     local[k] = v
         loss = self._local.step(closure) if closure is not None else self._local.step()
+        self._consolidated = None  # (a checkpoint of the state before this step would be stale)
         if self._world > 1:  # (one rank owns everything: nothing to send)
             self._sync_parameters()
         return loss
 
     def _chunks(self) -> List[Tuple[int, List[torch.Tensor]]]:
         """(owner, parameters) to send: a parameter of _ALONE_BYTES or more alone, smaller ones
-        of one dtype and device together up to _CHUNK_BYTES; frozen parameters are left out (no
-        step moves them)."""
+        of one dtype and device together up to _CHUNK_BYTES. Parameters that neither require
+        grad nor hold one are left out: no step moves them (frozen weights under LoRA). One
+        frozen after its gradient was kept (zero_grad(set_to_none=False)) is sent: AdamW still
+        moves it (weight decay, momentum). Every rank decides alike, as wrap_model gives every
+        rank the same gradients (or None)."""
         by_key: Dict[Tuple[int, torch.dtype, torch.device], List[torch.Tensor]] = {}
         for g in self.param_groups:
             for p in g["params"]:
-                if p.requires_grad:
+                if p.requires_grad or p.grad is not None:
                     by_key.setdefault((self._owner[p], p.dtype, p.device), []).append(p)
         chunks: List[Tuple[int, List[torch.Tensor]]] = []
         for (owner, _, _), ps in sorted(by_key.items(), key=lambda kv: (kv[0][0], str(kv[0][1]),
@@ -210,7 +227,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         share = {index[p]: _to_host(s) for p, s in self._local.state.items()}
         got: Optional[List[Any]] = [None] * self._world if self._rank == to else None
-        dist.gather_object(share, got, dst=to, group=self._group)
+        try:
+            dist.gather_object(share, got, dst=to, group=self._group)
+        except _C.DistributedTimeoutError as e:
+            raise _C.DistributedTimeoutError(
+                f"ZeroRedundancyOptimizer.consolidate_state_dict(to={to}): {e}\n(every rank "
+                f"must call consolidate_state_dict, not only the one that saves)") from None
         self._consolidated = None
         if self._rank == to:
             state: Dict[int, Any] = {}
@@ -224,8 +246,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self._consolidated is None:
             raise RuntimeError(
                 f"ZeroRedundancyOptimizer.state_dict() on rank {self._rank}: the state is sharded "
-                f"over the ranks; call consolidate_state_dict(to=R) on every rank first, then "
-                f"state_dict() on rank R (the rank that saves the checkpoint)")
+                f"over the ranks; call consolidate_state_dict(to=R) on every rank first (after "
+                f"the last step), then state_dict() on rank R (the rank that saves the "
+                f"checkpoint)")
         groups, start = [], 0
         for g in self.param_groups:
             d = {k: v for k, v in g.items() if k != "params"}
@@ -264,6 +287,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.state = self._local.state
 
 
-def _describe(groups: List[Any]) -> str:
-    n = sum(len(g) for g in groups)
-    return f"{len(groups)} group(s), {n} parameter(s)"
+def _difference(mine: List[Any], theirs: List[Any], me: int, other: int) -> str:
+    """The first difference between two ranks' [[(shape, dtype) per parameter] per group]."""
+    if len(mine) != len(theirs):
+        return f"{len(mine)} parameter group(s) on rank {me}, {len(theirs)} on rank {other}"
+    for g, (a, b) in enumerate(zip(mine, theirs)):
+        if len(a) != len(b):
+            return (f"group {g} has {len(a)} parameter(s) on rank {me}, {len(b)} on rank "
+                    f"{other}")
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return (f"parameter {i} of group {g} is {list(x[0])} {x[1]} on rank {me}, "
+                        f"{list(y[0])} {y[1]} on rank {other}")
+    return "they differ"
