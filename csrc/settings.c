@@ -107,6 +107,8 @@ static const Setting SETTINGS[] = {
      "where a rank writes its error for the launcher (set by ddpc.launch)"},
     {"DDPC_PARENT_PID", KIND_TEXT, 0, 0, {NULL},
      "the launcher's process id (set by ddpc.launch)"},
+    {"DDPC_EXEC_PID", KIND_TEXT, 0, 0, {NULL},
+     "the process id of a rank that runs a program (set by ddpc.launch --no-python)"},
     {"DDPC_NO_CUDA", KIND_TEXT, 0, 0, {NULL}, "1: build without CUDA (read by setup.py)"},
     {"DDPC_CUDA_ARCHS", KIND_TEXT, 0, 0, {NULL},
      "the CUDA architectures to build for, as 80;90 (read by setup.py)"},

@@ -900,6 +900,29 @@ def test_no_python_program_gets_default_signals_and_a_hint_for_a_missing_shebang
     assert "cannot run './bare.sh': Exec format error: it has no #! line (add one" in err, err
 
 
+def test_no_python_python_program_reports_its_traceback(tmp_path):
+    """A Python program run as a program (a console script) that joins the group: its uncaught
+    exception reaches the launcher's summary as a script's would."""
+    prog = write(tmp_path, "train-cli", f"""\
+        #!{sys.executable}
+        import ddpc
+        ddpc.init_process_group(backend="cpu")
+
+        def load(rank):
+            if rank == 1:
+                raise FileNotFoundError("shard 1 is missing")
+
+        load(ddpc.get_rank())
+        ddpc.barrier()
+    """)
+    prog.chmod(0o755)
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "--no-python", "./train-cli"], tmp_path)
+    assert rc == 1, err
+    summary = err[err.index("failed first"):]
+    assert "rank 1 raised FileNotFoundError: shard 1 is missing" in summary, summary
+    assert re.search(r'File ".*train-cli", line \d+, in load', summary), summary
+
+
 def test_no_python_program_dies_with_a_killed_launcher(tmp_path):
     """The death signal the rank's wrapper sets outlives its exec of the program."""
     prog = write(tmp_path, "sleepy.sh", """\

@@ -128,6 +128,26 @@ def write_error_file(path: str, exc: BaseException, tb: TracebackType | None) ->
               f"{type(e).__name__}: {_describe(e)}", file=sys.stderr)
 
 
+def report_uncaught_exceptions() -> None:
+    """In the process a rank of `ddpc.launch --no-python` exec'd (not its children), when that
+    program is Python: its uncaught exception goes into the launcher's error file, as this
+    wrapper writes it for a script, so the summary shows the traceback, explains an OOM and
+    finds a hang's root timeout. Called by init_process_group; once."""
+    path = os.environ.get("DDPC_ERROR_FILE", "")
+    if (not path or os.environ.get("DDPC_EXEC_PID") != str(os.getpid()) or
+            getattr(sys.excepthook, "ddpc_reports", False)):
+        return
+    previous = sys.excepthook
+
+    def excepthook(exc_type: type[BaseException], exc: BaseException | None,
+                   tb: TracebackType | None) -> None:
+        if exc is not None and not isinstance(exc, SystemExit):
+            write_error_file(path, exc, tb)
+        previous(exc_type, exc, tb)
+    excepthook.ddpc_reports = True  # type: ignore[attr-defined]
+    sys.excepthook = excepthook
+
+
 def main(argv: list[str]) -> None:
     """Runs `script args...` or `-m module args...` as __main__ with the usual sys.argv/sys.path."""
     if not argv or (argv[0] in ("-m", "--exec") and len(argv) < 2):
@@ -141,6 +161,9 @@ def main(argv: list[str]) -> None:
         for name in ("SIGPIPE", "SIGXFSZ"):
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), signal.SIG_DFL)
+        # The exec keeps this process: a Python program (a console script) that joins a group
+        # here reports its uncaught exception to the launcher (see report_uncaught_exceptions).
+        os.environ["DDPC_EXEC_PID"] = str(os.getpid())
         try:
             os.execvp(argv[1], argv[1:])
         except OSError as e:

@@ -354,6 +354,8 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     ddpc.DistributedError (DistributedTimeoutError, AuthError, ...) when the rendezvous fails.
     """
     global _state
+    from ddpc import _worker
+    _worker.report_uncaught_exceptions()
     unknown = set(kwargs) - {"store", "group_name", "device_id", "pg_options"}
     if unknown:
         raise TypeError(f"init_process_group() got unexpected keyword argument(s) {sorted(unknown)}")
