@@ -176,9 +176,9 @@ static ddpc_status timeout_error(const Coll *x) {
     ddpc_group_describe_missing(x->c->g, x->seq, missing, sizeof missing);
     return ddpc_error(DDPC_ERR_TIMEOUT,
                       "%s #%llu timed out after %gs on rank %d: %s. If the job is only slow, raise "
-                      "timeout= in init_process_group; otherwise look at the log of the rank that "
-                      "did not arrive",
-                      x->name, x->seq, (double)x->c->g->timeout_ms / 1000.0, x->rank, missing);
+                      "timeout= in %s; otherwise look at the log of the rank that did not arrive",
+                      x->name, x->seq, (double)x->c->g->timeout_ms / 1000.0, x->rank, missing,
+                      ddpc_group_timeout_owner(x->c->g));
 }
 
 /* The checks every wait makes between slices: abort (ours or a peer's, from the store), destroy,
@@ -682,10 +682,13 @@ static ddpc_status store_wait_ranks(DdpcGroup *g, const char *fmt) {
         if (n_missing > 0)
             st = ddpc_error(DDPC_ERR_TIMEOUT,
                             "timed out after %.1f s: %d of %d rank(s) never got this far: %s%s "
-                            "(did they call init_process_group with the same MASTER_ADDR, "
-                            "MASTER_PORT and WORLD_SIZE, or did they fail before it?)",
+                            "(%s)",
                             (double)g->timeout_ms / 1000.0, n_missing, P, missing,
-                            n_missing > listed ? ", ..." : "");
+                            n_missing > listed ? ", ..." : "",
+                            strcmp(ddpc_group_timeout_owner(g), "new_group") == 0
+                                ? "did they call new_group too, or fail before it?"
+                                : "did they call init_process_group with the same MASTER_ADDR, "
+                                  "MASTER_PORT and WORLD_SIZE, or did they fail before it?");
     }
     free(buf);
     free(keys);

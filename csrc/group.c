@@ -3,6 +3,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "group.h"
@@ -182,20 +183,64 @@ int ddpc_group_rank_dead(DdpcGroup *g, int r) {
     return present;
 }
 
+const char *ddpc_group_timeout_owner(const DdpcGroup *g) {
+    return strcmp(g->prefix, "g0") == 0 ? "init_process_group" : "new_group";
+}
+
+/* "the default group" for "g0", "the group of new_group call #K" for "gK" (ddpc.distributed
+ * names its groups so), else the prefix itself. */
+static void describe_prefix(const char *prefix, char *buf, size_t len) {
+    char *end = NULL;
+    long k = prefix[0] == 'g' ? strtol(prefix + 1, &end, 10) : -1;
+    if (k == 0 && end && !*end)
+        snprintf(buf, len, "the default group");
+    else if (k > 0 && end && !*end)
+        snprintf(buf, len, "the group of new_group call #%ld", k);
+    else
+        snprintf(buf, len, "the group with store prefix %s", prefix);
+}
+
+/* Rank r's "ddpc/waiting/<r>" ("<prefix> <seq>", set when one of its collectives timed out), if
+ * it names a group other than g: written into buf as "it is waiting in collective #N of <that
+ * group>". Returns whether it did. */
+static int waiting_elsewhere(DdpcGroup *g, int r, char *buf, size_t len) {
+    char key[64];
+    const char *keys[1] = {key};
+    int present = 0;
+    snprintf(key, sizeof key, "ddpc/waiting/%d", r);
+    if (ddpc_store_check(g->store, keys, 1, &present) != DDPC_OK || !present) return 0;
+    void *pv = NULL;
+    size_t pl = 0;
+    if (ddpc_store_get(g->store, key, 1000, &pv, &pl) != DDPC_OK) return 0;
+    char val[160], prefix[128], where[160];
+    unsigned long long seq = 0;
+    snprintf(val, sizeof val, "%.*s", (int)DDPC_MIN(pl, sizeof val - 1), (char *)pv);
+    free(pv);
+    if (sscanf(val, "%127s %llu", prefix, &seq) != 2 || strcmp(prefix, g->prefix) == 0) return 0;
+    describe_prefix(prefix, where, sizeof where);
+    snprintf(buf, len, "never arrived (it is waiting in collective #%llu of %s: every rank must "
+             "use the groups in the same order)", seq, where);
+    return 1;
+}
+
 void ddpc_group_describe_missing(DdpcGroup *g, uint64_t seq, char *buf, size_t len) {
     char key[256];
-    char val[32];
+    char val[160];
     size_t used = 0;
     buf[0] = '\0';
     ddpc_group_key(g, key, sizeof key, "progress/%d", g->rank);
     int n = snprintf(val, sizeof val, "%llu", (unsigned long long)seq);
     ddpc_store_set(g->store, key, val, (size_t)n);
+    /* Not under the group's prefix: a peer waiting in another group finds it there. */
+    snprintf(key, sizeof key, "ddpc/waiting/%d", g->rank);
+    n = snprintf(val, sizeof val, "%s %llu", g->prefix, (unsigned long long)seq);
+    ddpc_store_set(g->store, key, val, (size_t)DDPC_MIN((size_t)n, sizeof val - 1));
     /* Peers that timed out on the same collective publish within a moment of us. */
     int64_t deadline = ddpc_deadline(2000);
     for (int r = 0; r < g->world; r++) {
         if (r == g->rank) continue;
         const char *what = NULL;
-        char tmp[128];
+        char tmp[256];
         if (ddpc_group_rank_dead(g, r)) {
             what = "exited (its store connection dropped)";
         } else {
@@ -217,6 +262,8 @@ void ddpc_group_describe_missing(DdpcGroup *g, uint64_t seq, char *buf, size_t l
                              theirs);
                     what = tmp;
                 }
+            } else if (waiting_elsewhere(g, r, tmp, sizeof tmp)) {
+                what = tmp;
             } else {
                 what = "never arrived (it is not in any collective: busy, hung or stopped)";
             }

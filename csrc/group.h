@@ -106,6 +106,10 @@ void ddpc_group_key(const DdpcGroup *g, char *buf, size_t len, const char *fmt, 
  * (or died: the store's "ddpc/dead/<r>" keys), e.g. "rank 1 never arrived (it is at #6)". */
 void ddpc_group_describe_missing(DdpcGroup *g, uint64_t seq, char *buf, size_t len);
 
+/* What set this group's timeout, for a hint: "init_process_group" (the default group) or
+ * "new_group". */
+const char *ddpc_group_timeout_owner(const DdpcGroup *g);
+
 /* DDPC_OK, or the abort status with the abort message (ours or published by a peer; the store is
  * polled at most every DDPC_SLICE_MS, so call this between wait slices). */
 ddpc_status ddpc_group_check_abort(DdpcGroup *g);

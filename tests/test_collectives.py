@@ -548,6 +548,24 @@ SCENARIOS = {"all": scenario_all, "objects": scenario_objects, "single": scenari
 # ------------------------------------------------------------------------- test side
 
 
+def scenario_groups_in_opposite_order() -> Dict:
+    """Rank 0 all-reduces on a group from new_group while the others all-reduce on the default
+    group: each times out naming the collective and the group the other rank waits in, and the
+    timeout to raise (new_group's or init_process_group's)."""
+    import ddpc
+    init(timeout=2.0)
+    side = ddpc.new_group(timeout=2.0)
+    x = np.ones(4)
+    try:
+        ddpc.all_reduce(x, group=side if ddpc.get_rank() == 0 else None)
+    except ddpc.DistributedTimeoutError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+SCENARIOS["groups_in_opposite_order"] = scenario_groups_in_opposite_order
+
+
 def run_job(scenario: str, world: int, tmp_path, transport: str = "auto",
             timeout: float = 120.0, expect_dead: tuple = (),
             with_torch: bool = False) -> List[Dict]:
@@ -650,7 +668,8 @@ def test_torch_distributed_names(world, tmp_path):
         if r == 0:
             assert e["lonely"].startswith("DistributedTimeoutError: new_group (the group #2 this "
                                           "rank made): creating the cpu process group"), e
-            assert e["lonely"].endswith("(every rank must call new_group, the same number of "
+            assert e["lonely"].endswith("(did they call new_group too, or fail before it?)\n"
+                                        "(every rank must call new_group, the same number of "
                                         "times and in the same order)"), e
         ng = e["new_group"]
         assert ng[0].startswith("NotImplementedError: new_group(ranks=[0]): a group of some of "
@@ -661,6 +680,20 @@ def test_torch_distributed_names(world, tmp_path):
         assert ng[3] == ("TypeError: group must be None (the default group) or a group from "
                          "new_group(), got int"), ng
         assert e["destroyed"] == "the process group was destroyed", e
+
+
+def test_groups_used_in_opposite_orders_time_out_naming_the_other_group(tmp_path):
+    results = run_job("groups_in_opposite_order", 2, tmp_path)
+    assert results[0]["error"] == (
+        "all_reduce #1 timed out after 2s on rank 0: rank 1 never arrived (it is waiting in "
+        "collective #1 of the default group: every rank must use the groups in the same order). "
+        "If the job is only slow, raise timeout= in new_group; otherwise look at the log of the "
+        "rank that did not arrive"), results
+    assert results[1]["error"] == (
+        "all_reduce #1 timed out after 2s on rank 1: rank 0 never arrived (it is waiting in "
+        "collective #1 of the group of new_group call #1: every rank must use the groups in the "
+        "same order). If the job is only slow, raise timeout= in init_process_group; otherwise "
+        "look at the log of the rank that did not arrive"), results
 
 
 def test_gather_and_scatter_of_torch_tensors_keep_shapes_and_work_async(world_one):
@@ -688,6 +721,13 @@ def test_names_torch_distributed_has_and_ddpc_does_not_say_what_to_use():
         ddpc.send
     with pytest.raises(AttributeError, match=r"^module 'ddpc' has no attribute 'nonsense'$"):
         ddpc.nonsense
+    # `from ddpc import send` says the same (Python's own text would be "cannot import name")
+    with pytest.raises(ImportError, match=r"^cannot import name 'send' from 'ddpc': "
+                       r"torch.distributed's send is not part of ddpc \(ddpc has collectives"):
+        from ddpc import send  # noqa: F401
+    with pytest.raises(ImportError, match=r"^cannot import name 'nonsense' from 'ddpc'"):
+        from ddpc import nonsense  # noqa: F401
+    assert not hasattr(ddpc, "recv") and getattr(ddpc, "recv", None) is None
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])

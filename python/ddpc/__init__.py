@@ -69,9 +69,24 @@ def __getattr__(name):
         import importlib
         return getattr(importlib.import_module("ddpc." + _LAZY[name]), name)
     if name in _NOT_IN_DDPC:
-        raise AttributeError(f"module 'ddpc' has no attribute {name!r}: torch.distributed's "
-                             f"{name} is not part of ddpc ({_NOT_IN_DDPC[name]})")
+        why = f"torch.distributed's {name} is not part of ddpc ({_NOT_IN_DDPC[name]})"
+        if _importing_from():
+            # `from ddpc import send`: Python would replace an AttributeError's text with its
+            # bare "cannot import name"; an ImportError passes through with ours.
+            raise ImportError(f"cannot import name {name!r} from 'ddpc': {why}", name="ddpc")
+        raise AttributeError(f"module 'ddpc' has no attribute {name!r}: {why}")
     raise AttributeError(f"module 'ddpc' has no attribute {name!r}")
+
+
+def _importing_from():
+    """Is the caller of module __getattr__ a `from ddpc import ...` statement?"""
+    import sys
+    try:
+        frame = sys._getframe(2)
+        import opcode
+        return frame.f_code.co_code[frame.f_lasti] == opcode.opmap["IMPORT_FROM"]
+    except (ValueError, AttributeError, IndexError, KeyError):
+        return False
 
 
 # torch.distributed names a script may use that ddpc does not have, and what to do instead.
