@@ -4,6 +4,7 @@ nvidia-smi) and argument errors."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -461,7 +462,15 @@ def test_gpu_selection_through_nvidia_smi(tmp_path):
                                  "--no-python out"),
     (["--no-python", "./none.sh"], "'./none.sh' not found"),
     (["--no-python", "-m", "json"], "argument --no-python: not with -m"),
-    (["-r", "3", "ok.py"], "argument --redirects: torchrun's flag is not supported: use --log-dir"),
+    (["-r", "4", "ok.py"], "argument -r/--redirects: expected 0 (none), 1 (stdout), 2 (stderr) "
+                           "or 3 (both), or per local rank as 0:3,1:1, got '4'"),
+    (["--tee", "0:1,x:2", "ok.py"], "argument -t/--tee: expected LOCAL_RANK:CODE pairs"),
+    (["--tee", "0:1,3:2", "ok.py"], "argument --tee: local rank 3 is not on this node, which "
+                                    "runs local ranks 0..0"),
+    (["--local-ranks-filter", "0,-1", "ok.py"], "expected local ranks separated by commas"),
+    (["--nproc-per-node", "2", "--local_ranks_filter", "2", "ok.py"],
+     "argument --local-ranks-filter: local rank 2 is not on this node, which runs local ranks "
+     "0..1"),
     (["--rdzv_conf", "a=1", "ok.py"], "argument --rdzv-conf: torchrun's flag is not supported"),
     (["missing.py"], "'missing.py' not found"),
     (["."], "'.' is a directory without __main__.py"),
@@ -713,6 +722,41 @@ def test_log_dir_keeps_each_rank_and_attempt(tmp_path):
         assert "ValueError: rank 1 fails every time" in \
             (base / "rank1" / "stderr.log").read_text()
         assert "rank 1 (local rank 1" in (base / "summary.log").read_text()
+
+
+def test_torchruns_console_flags_filter_and_redirect_ranks_output(tmp_path):
+    """--local-ranks-filter, --redirects and --tee, as torchrun: the console shows what they
+    leave, the log files get everything (a temporary directory, printed, without --log-dir), and
+    a hidden rank's failure still reaches the summary."""
+    write(tmp_path, "two.py", """
+        import os, sys
+        rank = os.environ["LOCAL_RANK"]
+        print(f"out {rank}", flush=True)
+        print(f"err {rank}", file=sys.stderr, flush=True)
+        if rank == "1" and len(sys.argv) > 1:
+            raise ValueError("rank 1 fails")
+    """)
+
+    def shown(out, err):
+        return sorted(re.findall(r"^\[rank\d\]: (?:out|err) \d$", out + err, re.M))
+
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "--local-ranks-filter", "1", "two.py"],
+                             tmp_path)
+    assert rc == 0 and shown(out, err) == ["[rank1]: err 1", "[rank1]: out 1"], (out, err)
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "-r", "1", "two.py"], tmp_path)
+    assert rc == 0 and shown(out, err) == ["[rank0]: err 0", "[rank1]: err 1"], (out, err)
+    where = re.search(r"each rank's output goes to (\S+)", err).group(1)
+    assert open(os.path.join(where, "attempt_0", "rank1", "stdout.log")).read() == "out 1\n"
+    shutil.rmtree(where)
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "--redirects", "0:3", "--tee", "0:2",
+                              "--log-dir", "logs", "two.py"], tmp_path)
+    assert rc == 0 and shown(out, err) == ["[rank0]: err 0", "[rank1]: err 1",
+                                           "[rank1]: out 1"], (out, err)
+    assert (tmp_path / "logs" / "attempt_0" / "rank0" / "stdout.log").read_text() == "out 0\n"
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "--local-ranks-filter", "0", "two.py",
+                              "fail"], tmp_path)
+    assert rc == 1 and "[rank1]" not in out
+    assert "ddpc.launch: rank 1 (local rank 1" in err and "ValueError: rank 1 fails" in err, err
 
 
 def test_log_dir_is_checked_before_the_ranks_start(tmp_path):

@@ -717,6 +717,19 @@ class LaunchConfig:
     token: str | None              # None: a fresh secret per attempt
     log_dir: str | None = None     # also write each rank's output under this directory
     no_python: bool = False        # target is an executable and its arguments
+    console_ranks: tuple[int, ...] | None = None  # --local-ranks-filter: only these on console
+    redirects: Any = ()            # --redirects: streams kept off the console (tuple of stream
+                                   # names, or {local rank: tuple})
+    tee: Any = ()                  # --tee: streams shown even when redirected (same form)
+
+    def on_console(self, local_rank: int, stream: str) -> bool:
+        """Does this local rank's stream go to the launcher's console?"""
+        if self.console_ranks is not None and local_rank not in self.console_ranks:
+            return False
+
+        def streams(spec: Any) -> tuple[str, ...]:
+            return spec.get(local_rank, ()) if isinstance(spec, dict) else spec
+        return stream not in streams(self.redirects) or stream in streams(self.tee)
 
 
 class Launcher:
@@ -740,6 +753,8 @@ class Launcher:
         with self.lock:
             if self.attempt_dir is not None:
                 self._log(worker.rank, stream, line + b"\n")
+            if not self.cfg.on_console(worker.local_rank, stream):
+                return
             try:
                 out.flush()
                 buffer = getattr(out, "buffer", None)
@@ -934,11 +949,50 @@ _nproc = _checked(lambda t: None if t in ("auto", "gpu") else int(t),
 TORCHRUN_ONLY = {
     "--rdzv-conf": "ddpc's rendezvous (rank 0's store) has no options to set: drop it",
     "--role": "ddpc.launch runs one role: drop it",
-    "--redirects": "use --log-dir DIR to keep each rank's output in files",
-    "--tee": "use --log-dir DIR: the output goes to the console and to the files",
-    "--local-ranks-filter": "ddpc.launch shows every rank's output prefixed with [rankN]: "
-                            "filter it with grep",
 }
+
+STREAM_CODES = {0: (), 1: ("stdout",), 2: ("stderr",), 3: ("stdout", "stderr")}
+
+
+def _std_spec(flag: str) -> Callable[[str], Any]:
+    """torchrun's --redirects / --tee value: 0 (none), 1 (stdout), 2 (stderr) or 3 (both) for
+    every local rank, or per local rank as "0:3,1:1" (ranks left out: 0)."""
+    def parse(text: str) -> Any:
+        def code(t: str) -> tuple[str, ...]:
+            t = t.strip()
+            if t not in ("0", "1", "2", "3"):
+                raise argparse.ArgumentTypeError(
+                    f"expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or per local rank "
+                    f"as 0:3,1:1, got {text!r}")
+            return STREAM_CODES[int(t)]
+        if ":" not in text:
+            return code(text)
+        per: dict[int, tuple[str, ...]] = {}
+        for part in text.split(","):
+            rank, sep, value = part.partition(":")
+            try:
+                r = int(rank)
+            except ValueError:
+                r = -1
+            if not sep or r < 0:
+                raise argparse.ArgumentTypeError(
+                    f"expected LOCAL_RANK:CODE pairs such as 0:3,1:1, got {text!r}")
+            per[r] = code(value)
+        return per
+    parse.__name__ = flag  # (argparse names the type in its message)
+    return parse
+
+
+def _ranks_filter(text: str) -> tuple[int, ...]:
+    """--local-ranks-filter: comma-separated local ranks, e.g. 0 or 0,2."""
+    try:
+        ranks = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        ranks = (-1,)
+    if not ranks or min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"expected local ranks separated by commas, such as 0 "
+                                         f"or 0,2, got {text!r}")
+    return ranks
 
 
 def _nnodes(text: str) -> int:
@@ -1034,6 +1088,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "stderr.log (K: the restart), and a failure's summary to "
                    "DIR/attempt_K/summary.log; DIR is created before the ranks start. An empty "
                    "DIR (or /dev/null) means no log files, as in torchrun")
+    p.add_argument("--local-ranks-filter", "--local_ranks_filter", type=_ranks_filter,
+                   default=None, metavar="0,2", help="show only these local ranks' output on "
+                   "the console, as torchrun's flag does (the --log-dir files and a failure's "
+                   "summary still have every rank's)")
+    p.add_argument("-r", "--redirects", type=_std_spec("--redirects"), default=None,
+                   metavar="0-3|R:C,..", help="as torchrun: send 1 stdout, 2 stderr, 3 both of "
+                   "every rank (or per local rank: 0:3,1:1) to the log files only, not the "
+                   "console; without --log-dir, to a new temporary directory (printed)")
+    p.add_argument("-t", "--tee", type=_std_spec("--tee"), default=None, metavar="0-3|R:C,..",
+                   help="as torchrun: write the output to log files as well as the console. "
+                   "ddpc writes both streams of every rank to the files once there is a log "
+                   "directory (--log-dir, else a new temporary one, printed)")
     p.add_argument("--standalone", action="store_true",
                    help="accepted for torchrun compatibility: one node is the default")
     rdzv = p.add_argument_group("torchrun's rendezvous flags, accepted so its commands carry over")
@@ -1050,8 +1116,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="accepted and ignored: every rank is a fresh interpreter (spawn)")
     for flag in TORCHRUN_ONLY:
         names = [flag, flag.replace("-", "_").replace("__", "--", 1)]
-        if flag in ("--redirects", "--tee"):
-            names.insert(0, flag[1:3])
         p.add_argument(*dict.fromkeys(names), dest=f"torchrun_{flag[2:].replace('-', '_')}",
                        default=None, help=argparse.SUPPRESS)
     p.add_argument("-m", "--module", action="store_true",
@@ -1071,7 +1135,7 @@ def build_parser() -> argparse.ArgumentParser:
 # PyTorchJob and other operators configure nodes that way); these are the ones ddpc shares.
 PET_DESTS = ("nnodes", "node_rank", "nproc_per_node", "master_addr", "master_port",
              "max_restarts", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "standalone",
-             "log_dir", "module", "no_python")
+             "log_dir", "module", "no_python", "redirects", "tee", "local_ranks_filter")
 
 
 def pet_defaults(parser: argparse.ArgumentParser, environ: Any) -> list[str]:
@@ -1300,6 +1364,20 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Launch
         plan = plan_devices(args.gpus, args.nproc_per_node)
     except ValueError as e:
         parser.error(f"argument --gpus: {e}" if args.gpus is not None else str(e))
+    for flag, named in (("--local-ranks-filter", args.local_ranks_filter or ()),
+                        ("--redirects", args.redirects if isinstance(args.redirects, dict)
+                         else ()),
+                        ("--tee", args.tee if isinstance(args.tee, dict) else ())):
+        beyond = sorted(r for r in named if r >= plan.nproc)
+        if beyond:
+            parser.error(f"argument {flag}: local rank {beyond[0]} is not on this node, which "
+                         f"runs local ranks 0..{plan.nproc - 1}")
+    wants_files = any(v for spec in (args.redirects, args.tee) if spec is not None
+                      for v in (spec.values() if isinstance(spec, dict) else [spec]))
+    if wants_files and args.log_dir is None:
+        args.log_dir = tempfile.mkdtemp(prefix="ddpc-logs-")
+        print(f"ddpc.launch: --redirects/--tee without --log-dir: each rank's output goes to "
+              f"{args.log_dir}", file=sys.stderr, flush=True)
     master_port = args.master_port
     if master_port is None and args.nnodes > 1:
         master_port = DEFAULT_MASTER_PORT
@@ -1308,7 +1386,8 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Launch
                         master_addr=args.master_addr or "127.0.0.1", master_port=master_port,
                         max_restarts=args.max_restarts, timeout_kill=args.timeout_kill,
                         run_id=run_id, token=token, log_dir=args.log_dir,
-                        no_python=args.no_python)
+                        no_python=args.no_python, console_ranks=args.local_ranks_filter,
+                        redirects=args.redirects or (), tee=args.tee or ())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
