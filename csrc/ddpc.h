@@ -316,6 +316,8 @@ ddpc_status ddpc_work_wait(DdpcWork *w);
 ddpc_status ddpc_work_wait_stream(DdpcWork *w, uintptr_t stream);
 /* 1 when finished (successfully or not), 0 while in flight. Never blocks. */
 int ddpc_work_is_completed(DdpcWork *w);
+/* 1 once the work has completed with an error (its wait raises it), else 0. */
+int ddpc_work_failed(DdpcWork *w);
 uint64_t ddpc_work_seq(const DdpcWork *w);
 void ddpc_work_retain(DdpcWork *w);
 void ddpc_work_release(DdpcWork *w);

@@ -291,6 +291,11 @@ static ddpc_status check_args(const DdpcGroup *g, const DdpcCollArgs *a) {
         return ddpc_error(DDPC_ERR_INVALID, "%s: unsupported dtype code %d", name, (int)a->dtype);
     if ((unsigned)a->redop >= DDPC_NUM_REDOPS)
         return ddpc_error(DDPC_ERR_INVALID, "%s: unknown reduce op %d", name, (int)a->redop);
+    if (a->redop == DDPC_AVG && a->dtype >= DDPC_INT32 &&
+        (a->op == DDPC_COLL_ALLREDUCE || a->op == DDPC_COLL_REDUCE_SCATTER))
+        return ddpc_error(DDPC_ERR_INVALID, "%s: op=AVG of %s elements would round the average "
+                          "down (and may overflow): use op=SUM and divide in floating point, or "
+                          "pass a floating-point tensor", name, ddpc_dtype_name(a->dtype));
     if (a->count && !a->recv)
         return ddpc_error(DDPC_ERR_INVALID, "%s: the output buffer is NULL", name);
     if ((a->op == DDPC_COLL_ALLGATHER || a->op == DDPC_COLL_REDUCE_SCATTER) && a->count && !a->send)
@@ -425,6 +430,7 @@ void ddpc_work_complete(DdpcWork *w, ddpc_status st) {
 }
 
 int ddpc_work_is_completed(DdpcWork *w) { return atomic_load(&w->done); }
+int ddpc_work_failed(DdpcWork *w) { return atomic_load(&w->done) && w->status != DDPC_OK; }
 uint64_t ddpc_work_seq(const DdpcWork *w) { return w->seq; }
 void ddpc_work_retain(DdpcWork *w) { atomic_fetch_add(&w->refs, 1); }
 

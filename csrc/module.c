@@ -903,6 +903,11 @@ static PyObject *Work_is_completed(WorkObject *self, PyObject *unused) {
     return PyBool_FromLong(ddpc_work_is_completed(self->w));
 }
 
+static PyObject *Work_failed(WorkObject *self, PyObject *unused) {
+    (void)unused;
+    return PyBool_FromLong(ddpc_work_failed(self->w));
+}
+
 static PyObject *Work_get_seq(WorkObject *self, void *c) {
     (void)c;
     return PyLong_FromUnsignedLongLong(ddpc_work_seq(self->w));
@@ -917,6 +922,8 @@ static PyMethodDef Work_methods[] = {
     {"wait", (PyCFunction)Work_wait, METH_VARARGS,
      "wait(stream=0, device_side=False) -> True; raises DistributedError on failure"},
     {"is_completed", (PyCFunction)Work_is_completed, METH_NOARGS, "is_completed() -> bool"},
+    {"failed", (PyCFunction)Work_failed, METH_NOARGS,
+     "failed() -> bool: completed with an error (wait() raises it)"},
     {NULL, NULL, 0, NULL},
 };
 

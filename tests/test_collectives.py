@@ -566,6 +566,38 @@ def scenario_groups_in_opposite_order() -> Dict:
 SCENARIOS["groups_in_opposite_order"] = scenario_groups_in_opposite_order
 
 
+def scenario_work_status() -> Dict:
+    """Work.is_success: True after a collective that worked, False after one that failed (its
+    wait raised); AVG of integers is refused on every rank, and the group goes on."""
+    import ddpc
+    init(timeout=10.0)
+    rank = ddpc.get_rank()
+    out: Dict = {"avg": []}
+    for x in (np.array([200, 100], dtype=np.uint8), np.array([1, 2], dtype=np.int64)):
+        try:
+            ddpc.all_reduce(x, op=ddpc.ReduceOp.AVG)
+        except ValueError as e:
+            out["avg"].append(str(e))
+    parts = np.zeros(1, dtype=np.int32)
+    try:
+        ddpc.reduce_scatter_tensor(parts, np.ones(ddpc.get_world_size(), dtype=np.int32),
+                                   op=ddpc.ReduceOp.AVG)
+    except ValueError as e:
+        out["avg"].append(str(e))
+    good = ddpc.all_reduce(np.ones(3), async_op=True)
+    good.wait()
+    out["good"] = [good.is_completed(), good.is_success()]
+    bad = ddpc.all_reduce(np.ones(3 + rank), async_op=True)  # counts differ: a MismatchError
+    try:
+        bad.wait()
+    except ddpc.MismatchError:
+        out["bad"] = [bad.is_completed(), bad.is_success()]
+    return out
+
+
+SCENARIOS["work_status"] = scenario_work_status
+
+
 def run_job(scenario: str, world: int, tmp_path, transport: str = "auto",
             timeout: float = 120.0, expect_dead: tuple = (),
             with_torch: bool = False) -> List[Dict]:
@@ -694,6 +726,18 @@ def test_groups_used_in_opposite_orders_time_out_naming_the_other_group(tmp_path
         "collective #1 of the group of new_group call #1: every rank must use the groups in the "
         "same order). If the job is only slow, raise timeout= in init_process_group; otherwise "
         "look at the log of the rank that did not arrive"), results
+
+
+def test_work_is_success_after_a_failure_and_avg_of_integers_is_refused(tmp_path):
+    for res in run_job("work_status", 2, tmp_path):
+        assert res["good"] == [True, True] and res["bad"] == [True, False], res
+        assert res["avg"] == [
+            f"all_reduce: op=AVG of {dt} elements would round the average down (and may "
+            f"overflow): use op=SUM and divide in floating point, or pass a floating-point tensor"
+            for dt in ("uint8", "int64")] + [
+            "reduce_scatter: op=AVG of int32 elements would round the average down (and may "
+            "overflow): use op=SUM and divide in floating point, or pass a floating-point "
+            "tensor"], res
 
 
 def test_gather_and_scatter_of_torch_tensors_keep_shapes_and_work_async(world_one):

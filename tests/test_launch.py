@@ -724,6 +724,29 @@ def test_log_dir_keeps_each_rank_and_attempt(tmp_path):
         assert "rank 1 (local rank 1" in (base / "summary.log").read_text()
 
 
+def test_a_crash_in_native_code_shows_the_python_line_that_made_the_call(tmp_path):
+    """A rank killed by SIGSEGV (here a read of address 0 through ctypes) has no traceback; the
+    summary shows its Python stack at the crash (faulthandler), without the launcher's frames."""
+    write(tmp_path, "crash.py", """
+        import ctypes, os, time
+
+        def step():
+            if os.environ["RANK"] == "1":
+                ctypes.string_at(0)
+            time.sleep(30)
+
+        step()
+    """)
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "crash.py"], tmp_path)
+    assert rc == 128 + signal.SIGSEGV, err  # (torchrun's and a shell's code for the signal)
+    summary = err[err.index("ddpc.launch: rank 1 (local rank 1"):]
+    assert "failed first: signal SIGSEGV" in summary, summary
+    assert "rank 1's Python stacks at the crash (faulthandler):" in summary, summary
+    assert re.search(r'File "crash\.py", line 6 in step\n +File "crash\.py", line 9 in <module>',
+                     summary), summary
+    assert "_worker.py" not in summary and "Extension modules" not in summary, summary
+
+
 def test_torchruns_console_flags_filter_and_redirect_ranks_output(tmp_path):
     """--local-ranks-filter, --redirects and --tee, as torchrun: the console shows what they
     leave, the log files get everything (a temporary directory, printed, without --log-dir), and

@@ -27,11 +27,18 @@ STACK_SIGNAL = signal.SIGUSR1
 def enable_stack_dumps() -> None:
     """On STACK_SIGNAL, print every thread's Python stack to stderr (faulthandler: it works while
     the rank is blocked in C code too, such as a collective). The launcher asks the ranks still
-    running for it when another rank timed out waiting for them, to show where they were."""
+    running for it when another rank timed out waiting for them, to show where they were. A
+    fatal signal prints them too (faulthandler.enable)."""
     try:
         faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
     except (AttributeError, ValueError, RuntimeError, OSError):
         pass  # no faulthandler signal support here: the summary just has no stacks
+    # A crash in native code (SIGSEGV, SIGABRT, SIGFPE, SIGBUS, SIGILL) prints the Python stack
+    # of every thread too, so the launcher's summary shows the line that made the call.
+    try:
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, RuntimeError, OSError):
+        pass
 
 
 def die_with_parent() -> None:

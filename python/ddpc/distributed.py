@@ -903,7 +903,9 @@ class Work:
         return bool(self._work.is_completed())
 
     def is_success(self) -> bool:
-        return self.is_completed()
+        """True once the collective finished without error (False while it runs, or when it
+        failed: wait() raises why)."""
+        return self.is_completed() and not self._work.failed()
 
     @property
     def seq(self) -> int:

@@ -37,6 +37,7 @@ MAX_LINE = 64 * 1024         # longer lines are cut into pieces rather than held
 OUTPUT_JOIN_S = 2.0          # how long to wait for the last output after the processes exit
 STACK_WAIT_S = 3.0           # how long ranks get to print their Python stacks when asked
 STACK_LINES = 40             # stack lines kept per rank for the failure summary
+FATAL_LINES = 400            # lines of a crash report (faulthandler's) kept per rank
 MAX_LOCAL_RANKS = 65536      # more processes than any one machine runs: a typo, not a job
 MAX_WORLD_SIZE = 2 ** 31 - 1  # ranks are 32-bit in the process group
 FAILURE_WINDOW_S = 1.0       # failures this close together are one event: the cause is picked
@@ -248,6 +249,7 @@ class Worker:
     capturing: list[str] | None = None  # stderr lines kept while its stacks are being printed
     stack: list[str] | None = None      # its threads' Python stacks, when asked for them
     python: bool = True  # False: an executable of --no-python (it has no stacks to ask for)
+    fatal: list[str] | None = None  # faulthandler's report of a crash (from "Fatal Python error")
 
     def error_report(self) -> dict | None:
         """The JSON report the worker wrote on an uncaught exception, or None."""
@@ -349,6 +351,10 @@ class WorkerGroup:
             if stream == "stderr":
                 text = line.decode("utf-8", "replace")
                 worker.tail.append(text)
+                if text.startswith("Fatal Python error:"):
+                    worker.fatal = [text]
+                elif worker.fatal is not None and len(worker.fatal) < FATAL_LINES:
+                    worker.fatal.append(text)
                 capturing = worker.capturing
                 if capturing is not None:
                     capturing.append(text)
@@ -658,6 +664,10 @@ def failure_summary(group: WorkerGroup, first: Worker, who: str = "ddpc.launch",
                      f"{report.get('message')}")
         lines += ["  " + ln for ln in str(report["traceback"]).rstrip("\n").split("\n")]
         lines += ["  " + ln for ln in oom_lines(report, group, first, rank_gpus)]
+    elif first.fatal:
+        lines.append(f"  rank {first.rank}'s Python stacks at the crash (faulthandler):")
+        lines += ["    " + ln for ln in _stack_lines(
+            [ln for ln in first.fatal if not ln.startswith("Extension modules:")])]
     elif first.tail:
         lines.append(f"  last lines of rank {first.rank}'s stderr (no Python traceback was "
                      f"recorded):")
