@@ -238,6 +238,22 @@ def test_missing_rank_says_how_to_launch(clean_env):
         ddpc.init_process_group(backend="cpu")
 
 
+@pytest.mark.parametrize("env, match", [
+    ({"RANK": "2", "WORLD_SIZE": "2"}, r"^the environment's RANK=2 is not a rank of a world of 2 "
+                                       r"processes \(the environment's WORLD_SIZE=2\)"),
+    ({"SLURM_PROCID": "-1", "SLURM_NTASKS": "2"}, r"^the environment's SLURM_PROCID=-1 is not a "
+                                                  r"rank"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, r"^the environment's WORLD_SIZE=0 is not valid: the world "
+                                       r"size is the number of processes, at least 1$"),
+])
+def test_a_bad_rank_from_the_environment_names_the_variable(clean_env, monkeypatch, env, match):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=match):
+        ddpc.init_process_group(backend="cpu")
+    assert not ddpc.is_initialized()
+
+
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(backend="mpi"), ValueError, "backend='mpi'"),
     (dict(backend="cpu", init_method="http://x"), ValueError, "not supported"),
@@ -245,7 +261,9 @@ def test_missing_rank_says_how_to_launch(clean_env):
     (dict(backend="cpu", timeout=-1), ValueError, "timeout must be positive"),
     (dict(backend="cpu", timeout=float("nan")), ValueError, "timeout must be positive"),
     (dict(backend="cpu", timeout="10"), TypeError, "timeout must be"),
-    (dict(backend="cpu", rank=3, world_size=2), ValueError, r"rank must be in \[0, 2\)"),
+    (dict(backend="cpu", rank=3, world_size=2), ValueError,
+     r"^init_process_group's rank=3 is not a rank of a world of 2 processes \(init_process_group"
+     r"'s world_size=2\): ranks are 0 to 1"),
     (dict(backend="cpu", bogus=1), TypeError, "bogus"),
     (dict(backend="cpu", rank="0", world_size=1), TypeError,
      r"rank must be an int \(or -1 to read RANK from the environment\), got str '0'"),

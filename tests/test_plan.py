@@ -102,7 +102,7 @@ def test_a_model_built_on_the_meta_device_and_the_verdict(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--params", "0"], "expected a parameter count of at least 1, got '0'"),
+    (["--params", "0"], "expected a parameter count from 1 to below 1e15 (1000T), got '0'"),
     (["--params", "lots"], "expected a parameter count such as 1.5B"),
     (["--params", "1B", "--nproc", "0"], "argument --nproc: expected at least 1, got 0"),
     (["--params", "1B", "--gpu-memory", "nan"], "argument --gpu-memory: expected GiB above 0"),

@@ -1645,6 +1645,12 @@ def test_bad_modules_are_named(world_one):
         world_one.wrap_model(net)
     net[0].weight.requires_grad_(False)  # (frozen: not reduced, so no problem)
     world_one.wrap_model(net)
+    with torch.device("meta"):
+        lazy = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=re.escape(
+            "wrap_model: parameter '0.weight' is on the meta device: it has a shape but no "
+            "values yet. Materialize the model first, e.g. model.to_empty(")):
+        world_one.wrap_model(lazy)
 
 
 def test_a_sparse_gradient_is_named(world_one):

@@ -149,12 +149,18 @@ def _rank_arg(name: str, value: Any, least: int) -> int:
     return value
 
 
+# Where a rank and the world size are read from when not passed: torchrun, Open MPI, MPICH /
+# Intel MPI, SLURM; the first one set wins.
+_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+_WORLD_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
 def _resolve_ranks(rank: int, world_size: int) -> Tuple[int, int, int, int]:
     """rank, world, local_rank, local_world from the arguments, then torchrun, SLURM or Open MPI."""
     rank = _rank_arg("rank", rank, 0)
     world_size = _rank_arg("world_size", world_size, 1)
-    env_rank = _env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
-    env_world = _env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+    env_rank = _env_int(*_RANK_VARS)
+    env_world = _env_int(*_WORLD_VARS)
     env_local = _env_int("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
     env_local_world = _env_int("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
                                "SLURM_NTASKS_PER_NODE")
@@ -166,10 +172,21 @@ def _resolve_ranks(rank: int, world_size: int) -> Tuple[int, int, int, int]:
             "init_process_group could not find " + " and ".join(missing) + ": start the script "
             "with `python -m ddpc.launch --nproc-per-node N script.py` (or torchrun/srun/mpirun), "
             "or pass rank= and world_size=")
+    def source(passed: bool, arg: str, env_names: Tuple[str, ...]) -> str:
+        """Where a value came from, for the message: "init_process_group's rank=" or "the
+        environment's RANK=" (the first variable set, as _env_int reads them)."""
+        if passed:
+            return f"init_process_group's {arg}="
+        name = next((n for n in env_names if os.environ.get(n) not in (None, "")), env_names[0])
+        return f"the environment's {name}="
+    world_from = source(world_size >= 1, "world_size", _WORLD_VARS)
     if not 1 <= w < _INT32_LIMIT:
-        raise ValueError(f"world_size must be >= 1, got {w}")
+        raise ValueError(f"{world_from}{w} is not valid: the world size is the number of "
+                         f"processes, at least 1")
     if not 0 <= r < w:
-        raise ValueError(f"rank must be in [0, {w}), got {r}")
+        raise ValueError(f"{source(rank >= 0, 'rank', _RANK_VARS)}{r} is not a rank of a world "
+                         f"of {w} processes ({world_from}{w}): ranks are 0 to {w - 1}, one per "
+                         f"process (ddpc.launch and torchrun set RANK and WORLD_SIZE for each)")
     local = env_local if env_local is not None else r
     local_world = env_local_world if env_local_world is not None else w
     if not 0 <= local < _INT32_LIMIT:

@@ -514,6 +514,12 @@ class DistributedModel(torch.nn.Module):
                                   f"it with sparse=False")
         nccl = self._group.backend == "nccl"
         for name, p in zip(self._names, self._params):
+            if p.device.type == "meta":
+                return ValueError(f"wrap_model: parameter '{name}' is on the meta device: it has "
+                                  f"a shape but no values yet. Materialize the model first, e.g. "
+                                  f"model.to_empty(device=ddpc.device()) and then load or "
+                                  f"initialize its weights (load_state_dict, or each module's "
+                                  f"reset_parameters()), and wrap it after that")
             if p.dtype not in _GRAD_DTYPES:
                 return TypeError(f"wrap_model: parameter '{name}' has dtype {p.dtype}; trainable "
                                  f"parameters must be float32, float64, float16 or bfloat16")

@@ -98,8 +98,8 @@ def parse_count(text: str) -> int:
     value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[
         m.group(2).lower()]
     if not 1 <= value < 1e15:
-        raise argparse.ArgumentTypeError(f"expected a parameter count of at least 1, got "
-                                         f"{text!r}")
+        raise argparse.ArgumentTypeError(f"expected a parameter count from 1 to below 1e15 (1000T), "
+                                         f"got {text!r}")
     return int(round(value))
 
 
