@@ -372,6 +372,9 @@ static void table_free(Table *t) {
 
 /* ---------------------------------------------------------------- server */
 
+/* The server's verdict when the answer is right but another live client holds its rank. */
+#define VERDICT_RANK_TAKEN 2
+
 typedef struct {
     int fd;
     int authed;
@@ -632,19 +635,48 @@ static int serve_frame(DdpcStoreServer *s, Client *cl, const uint8_t *body, size
     return SERVE_BAD;
 }
 
-/* Checks the client's answer to the greeting: magic, version and the HMAC of our nonce. */
+/* Another live client registered as `rank`, or NULL. One whose peer has closed (a process that
+ * died and is being replaced) is dropped here rather than counted. */
+static Client *rank_holder(DdpcStoreServer *s, const Client *cl, int rank) {
+    for (size_t i = 0; i < s->nclients; i++) {
+        Client *o = s->clients[i];
+        if (o == cl || o->gone || !o->authed || o->rank != rank) continue;
+        char b;
+        ssize_t n = recv(o->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (o->eof || n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK &&
+                                 errno != EINTR)) {
+            client_drop(s, o, "its connection closed (found when its rank connected again)");
+            continue;
+        }
+        return o;
+    }
+    return NULL;
+}
+
+/* Checks the client's answer to the greeting: magic, version and the HMAC of our nonce; then
+ * that no other live client holds the rank it registers. Verdicts: 1 accepted, 0 refused (the
+ * token), VERDICT_RANK_TAKEN. */
 static void client_authenticate(DdpcStoreServer *s, Client *cl) {
     uint8_t mac[MAC_LEN], verdict;
     const uint8_t *a = cl->in.p;
     ddpc_hmac_sha256(s->token, s->token_len, cl->nonce, NONCE_LEN, mac);
     int ok = !memcmp(a, STORE_MAGIC, 4) && get_u32le(a + 4) == STORE_VERSION;
     ok = equal_const_time(a + 12, mac, MAC_LEN) && ok;
-    verdict = (uint8_t)ok;
+    int32_t rank = (int32_t)get_u32le(a + 8);
+    Client *holder = ok && rank >= 0 ? rank_holder(s, cl, rank) : NULL;
+    verdict = holder ? VERDICT_RANK_TAKEN : (uint8_t)ok;
     if (buf_put(&cl->out, &verdict, 1)) {
         client_drop(s, cl, "out of memory");
         return;
     }
     client_flush(s, cl);
+    if (holder) {
+        char why[200];
+        snprintf(why, sizeof why, "it registers rank %d, which client %s holds", (int)rank,
+                 holder->peer);
+        client_drop(s, cl, why);
+        return;
+    }
     if (!ok) {
         DDPC_INFO("STORE", "%s: authentication failed for client %s: %s", s->where, cl->peer,
                  memcmp(a, STORE_MAGIC, 4) ? "it does not speak the ddpc store protocol"
@@ -1349,6 +1381,12 @@ static ddpc_status client_handshake(DdpcStore *c, const char *token, int64_t dea
                           "you start ranks yourself, export one value to all of them), and check "
                           "that MASTER_ADDR:MASTER_PORT is this job's store, not another job's",
                           c->host, c->port, *token ? "" : ", empty here");
+    if (verdict == VERDICT_RANK_TAKEN)
+        return ddpc_error(DDPC_ERR_MISMATCH, "store: the rendezvous store at %s:%d already has a "
+                          "process registered as rank %d: two processes claim rank %d. Give each "
+                          "process of the job its own RANK (0 to WORLD_SIZE-1), and each job its "
+                          "own MASTER_PORT (a process of another job on this port, with the same "
+                          "DDPC_TOKEN, joins this one)", c->host, c->port, c->rank, c->rank);
     if (verdict != 1)
         return ddpc_error(DDPC_ERR_PROTOCOL, "store: unexpected verdict %d from %s:%d", verdict,
                           c->host, c->port);

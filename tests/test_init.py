@@ -225,6 +225,67 @@ def test_a_rank_that_never_came_is_named(clean_env, monkeypatch):
     assert not ddpc.is_initialized()
 
 
+def _claim_main(env, kwargs, timeout, q):
+    """_rank_main with its own timeout; errors are reported with their type."""
+    for k in LAUNCHER_VARS:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    import time
+    import numpy as np
+    import ddpc as d
+    mark = os.environ.get("CLAIM_MARK")  # a refused process creates it; the job waits for it
+    try:
+        d.init_process_group(backend="cpu", timeout=timeout, **kwargs)
+        x = np.array([d.get_rank() + 1.0])
+        d.all_reduce(x)
+        q.put(("ok", d.get_rank(), float(x[0])))
+        t0 = time.monotonic()
+        while mark and not os.path.exists(mark) and time.monotonic() - t0 < 60:
+            time.sleep(0.05)  # (keep the store up until the third process has come)
+        d.destroy_process_group()
+    except BaseException as e:  # reported to the test, which asserts on it
+        q.put(("error", type(e).__name__, str(e)))
+        if mark:
+            open(mark, "w").close()
+
+
+@pytest.mark.parametrize("twice", [0, 1])
+def test_two_processes_claiming_one_rank_are_told_so(twice, tmp_path):
+    """Three processes for a world of 2, two of them with rank `twice`: the one that comes second
+    is refused (MismatchError) saying two processes claim that rank, and the other two run the
+    job. It used to join (rank 1: the store took either, and a second job's rank on the same
+    port could compute with this one) or fail with 'address in use' (rank 0)."""
+    port = free_port()
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+               DDPC_TOKEN="t-claim", CLAIM_MARK=str(tmp_path / "refused"))
+    ranks = [0, 1, twice]
+    out = spawn_collect(_claim_main, [(dict(env, RANK=str(r)), {}, 20.0) for r in ranks], 90)
+    assert sorted(o for o in out if o[0] == "ok") == [("ok", 0, 3.0), ("ok", 1, 3.0)], out
+    refused = [o for o in out if o[0] == "error"]
+    assert len(refused) == 1 and refused[0][1] == "MismatchError", out
+    if twice == 1:
+        assert re.fullmatch(r"store: the rendezvous store at 127\.0\.0\.1:\d+ already has a "
+                            r"process registered as rank 1: two processes claim rank 1\. Give "
+                            r"each process of the job its own RANK .*", refused[0][2]), out
+    else:
+        assert refused[0][2].startswith(
+            f"init_process_group: rank 0 cannot serve the rendezvous store on 127.0.0.1:{port}: a "
+            f"process of this job (it knows the job's token) serves it there already, so two "
+            f"processes claim rank 0."), out
+
+
+def test_a_rank_with_another_world_size_is_told_so():
+    port = free_port()
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DDPC_TOKEN="t-world")
+    out = spawn_collect(_claim_main, [(dict(env, RANK="0", WORLD_SIZE="2"), {}, 3.0),
+                                      (dict(env, RANK="1", WORLD_SIZE="3"), {}, 3.0)], 60)
+    assert ("error", "MismatchError",
+            "init_process_group: rank 1 has world_size 3, but rank 0 has 2: every rank must be "
+            "started with the same WORLD_SIZE (ddpc.launch and torchrun set it for each; check "
+            "world_size= or WORLD_SIZE where the ranks are started)") in out, out
+    assert [o[1] for o in out if o[0] == "error"].count("DistributedTimeoutError") == 1, out
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
     for k in LAUNCHER_VARS:

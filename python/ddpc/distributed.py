@@ -427,10 +427,11 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
                                      "other ranks must know the port; export a free port")
             token = _job_token(addr, port, w)
             if r == 0:
-                st.server = _C.StoreServer(_server_bind_addr(addr), port, token)
+                st.server = _serve_store(addr, port, token)
                 port = st.server.port
         st.master = (addr, port)
         st.store = _C.Store(addr, port, token, r, timeout_s)
+        _check_world_size(st, timeout_s)
         st.group = _C.Group(st.store, r, w, local_rank=local, local_world_size=local_world,
                             backend=backend_name, timeout=timeout_s, prefix="g0",
                             transport=_cpu_transport(), host_id=_host_id(),
@@ -440,6 +441,47 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         _release(st)
         raise
     _state = st
+
+
+def _serve_store(addr: str, port: int, token: str) -> Any:
+    """Rank 0's store server. When the port is taken by a store of this very job (it accepts
+    our token), another process was started as rank 0 too: that is what the error says."""
+    try:
+        return _C.StoreServer(_server_bind_addr(addr), port, token)
+    except _C.DistributedError as e:
+        if port == 0 or "Address already in use" not in str(e):
+            raise
+        try:
+            _C.Store(addr, port, token, -1, 5.0).close()
+        except _C.DistributedError:
+            raise e from None  # another program, or another job's store: the bind error says
+        raise _C.MismatchError(
+            f"init_process_group: rank 0 cannot serve the rendezvous store on {addr}:{port}: a "
+            f"process of this job (it knows the job's token) serves it there already, so two "
+            f"processes claim rank 0. Give each process of the job its own RANK (0 to "
+            f"WORLD_SIZE-1)") from None
+
+
+def _check_world_size(st: _State, timeout_s: float) -> None:
+    """Rank 0 publishes its world size; every other rank compares its own (a rank started with
+    another WORLD_SIZE would otherwise wait for ranks that do not exist, until the timeout)."""
+    key = "ddpc/init/world_size"
+    if st.rank == 0:
+        st.store.set(key, str(st.world_size).encode())
+        return
+    try:
+        theirs = int(st.store.get(key, timeout_s))
+    except _C.DistributedTimeoutError:
+        raise _C.DistributedTimeoutError(
+            f"init_process_group: rank {st.rank} reached the rendezvous store at "
+            f"{st.master[0]}:{st.master[1]}, but rank 0, which serves it, did not finish its own "
+            f"setup within {timeout_s:g} s: look at rank 0's output") from None
+    if theirs != st.world_size:
+        raise _C.MismatchError(
+            f"init_process_group: rank {st.rank} has world_size {st.world_size}, but rank 0 has "
+            f"{theirs}: every rank must be started with the same WORLD_SIZE (ddpc.launch and "
+            f"torchrun set it for each; check world_size= or WORLD_SIZE where the ranks are "
+            f"started)")
 
 
 def _cpu_transport() -> int:
