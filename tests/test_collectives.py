@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import numpy as np
 import pytest
@@ -45,7 +45,7 @@ def values(rank: int, n: int, op: str, dtype: str, salt: int = 0) -> np.ndarray:
 
 def reference(stack: np.ndarray, op: str, dtype: str, world: int) -> np.ndarray:
     """The reduction over ranks (axis 0) of int64 data, as the collective computes it in dtype:
-    integer sums/products wrap like the dtype, integer AVG truncates toward zero."""
+    integer sums/products wrap like the dtype (integer AVG is refused: see int_avg_refused)."""
     if op == "sum":
         r = stack.sum(axis=0)
     elif op == "prod":
@@ -60,6 +60,17 @@ def reference(stack: np.ndarray, op: str, dtype: str, world: int) -> np.ndarray:
             return (np.sign(s) * (np.abs(s) // world)).astype(dtype)
         return (s / world).astype(dtype)
     return r.astype(dtype)
+
+
+def int_avg_refused(call: Any, what: str) -> None:
+    """AVG of integers is refused on every rank (it would round down, and overflow in small
+    dtypes), with what to do instead."""
+    try:
+        call()
+    except ValueError as e:
+        assert "op=AVG of" in str(e) and "use op=SUM and divide in floating point" in str(e), e
+        return
+    raise AssertionError(f"{what}: AVG of integers was not refused")
 
 
 def assert_same(got: np.ndarray, want: np.ndarray, what: str, op: str = "sum") -> None:
@@ -111,6 +122,10 @@ def torch_checks(rank: int, world: int) -> int:
         name = str(tdt).replace("torch.", "")
         for op in OPS:
             for n in (5, 70_001):
+                if op == "avg" and not tdt.is_floating_point:
+                    int_avg_refused(lambda: ddpc.all_reduce(
+                        torch.ones(n, dtype=tdt), op=op), f"torch {name}")
+                    continue
                 ref = reference(stack(n, op, "float64" if name == "bfloat16" else name), op,
                                 "float64" if name == "bfloat16" else name, world)
                 t = torch.tensor(values(rank, n, op, name), dtype=tdt)
@@ -163,6 +178,10 @@ def scenario_all() -> Dict:
             sizes = [1, 7, 4099] + ([BIG] if dtype == "float32" or op == "sum" else [])
             for n in sizes:
                 x = values(rank, n, op, dtype).astype(dtype)
+                if op == "avg" and np.dtype(dtype).kind in "iu":
+                    int_avg_refused(lambda: ddpc.all_reduce(x, op=op), f"all_reduce {dtype}")
+                    checks += 1
+                    continue
                 ddpc.all_reduce(x, op=op)
                 assert_same(x, reference(stack(n, op, dtype), op, dtype, world),
                             f"all_reduce {dtype} {op} n={n}", op)
@@ -238,6 +257,10 @@ def scenario_all() -> Dict:
             for n in (1, 3, 200_003 if op == "sum" else 4_001):
                 inp = values(rank, world * n, op, dtype, salt=1).astype(dtype)
                 out = np.empty(n, dtype=dtype)
+                if op == "avg" and dtype == "int32":
+                    int_avg_refused(lambda: ddpc.reduce_scatter_tensor(out, inp, op=op),
+                                    "reduce_scatter int32")
+                    continue
                 ddpc.reduce_scatter_tensor(out, inp, op=op)
                 full = reference(stack(world * n, op, dtype, salt=1), op, dtype, world)
                 assert_same(out, full[rank * n:(rank + 1) * n],
@@ -598,6 +621,33 @@ def scenario_work_status() -> Dict:
 SCENARIOS["work_status"] = scenario_work_status
 
 
+def scenario_destroy_unwaited() -> Dict:
+    """Async collectives never waited for are finished by destroy_process_group (their arrays
+    get the results; they used to be dropped), and one that fails there is a warning."""
+    import warnings
+    import ddpc
+    init(timeout=10.0)
+    rank, world = ddpc.get_rank(), ddpc.get_world_size()
+    x = np.ones(4)
+    ddpc.all_reduce(x, async_op=True)
+    parts = [np.zeros(2) for _ in range(world)]
+    ddpc.all_gather(parts, np.full(2, rank + 1.0), async_op=True)
+    side = ddpc.new_group()
+    y = np.full(3, rank + 1.0)
+    ddpc.all_reduce(y, group=side, async_op=True)
+    ddpc.destroy_process_group(side)
+    z = np.ones(3 + rank)  # counts differ: it fails, as destroy finishes it
+    ddpc.all_reduce(z, async_op=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddpc.destroy_process_group()
+    return {"x": x.tolist(), "parts": [p.tolist() for p in parts], "y": y.tolist(),
+            "warnings": [str(w.message) for w in caught]}
+
+
+SCENARIOS["destroy_unwaited"] = scenario_destroy_unwaited
+
+
 def run_job(scenario: str, world: int, tmp_path, transport: str = "auto",
             timeout: float = 120.0, expect_dead: tuple = (),
             with_torch: bool = False) -> List[Dict]:
@@ -738,6 +788,16 @@ def test_work_is_success_after_a_failure_and_avg_of_integers_is_refused(tmp_path
             "reduce_scatter: op=AVG of int32 elements would round the average down (and may "
             "overflow): use op=SUM and divide in floating point, or pass a floating-point "
             "tensor"], res
+
+
+def test_destroy_finishes_async_collectives_nobody_waited_for(tmp_path):
+    for res in run_job("destroy_unwaited", 2, tmp_path):
+        assert res["x"] == [2.0] * 4 and res["parts"] == [[1.0, 1.0], [2.0, 2.0]], res
+        assert res["y"] == [3.0] * 3, res
+        assert len(res["warnings"]) == 1, res
+        assert res["warnings"][0].startswith(
+            "destroy_process_group: collective #3, started with async_op=True and never waited "
+            "for, failed while the group was being destroyed: all_reduce #3"), res
 
 
 def test_gather_and_scatter_of_torch_tensors_keep_shapes_and_work_async(world_one):

@@ -590,6 +590,7 @@ def destroy_process_group(group: Any = None) -> None:
     the store mid-call; not for a rank that exited or was killed without leaving."""
     global _state
     if group is not None and _state is not None and group is not _state.group:
+        _finish_unwaited({group})
         group.destroy()
         if group in _state.subgroups:
             _state.subgroups.remove(group)
@@ -598,6 +599,7 @@ def destroy_process_group(group: Any = None) -> None:
     st = _state
     if st is None:
         return
+    _finish_unwaited({st.group, *st.subgroups})
     _state = None
     try:
         _destroy_subgroups(st)  # (first: while every rank's store is still there)
@@ -614,6 +616,21 @@ def destroy_process_group(group: Any = None) -> None:
         pass  # a peer or the store is already gone: nothing left to coordinate with
     finally:
         _release(st)
+
+
+def _finish_unwaited(groups: set) -> None:
+    """Waits for the async collectives on these groups that nobody waited for (their tensors get
+    their results, as when wait() is called). One that fails is a warning: the group goes."""
+    for w in sorted(_unwaited, key=lambda w: w.seq):
+        if w._group not in groups or w._done:
+            continue
+        try:
+            w.wait()
+        except _C.DistributedError as e:
+            _unwaited.discard(w)
+            warnings.warn(f"destroy_process_group: collective #{w.seq}, started with "
+                          f"async_op=True and never waited for, failed while the group was "
+                          f"being destroyed: {e}", stacklevel=3)
 
 
 def _await_leavers(st: _State, limit_s: float = 10.0) -> None:
@@ -931,16 +948,33 @@ def _pointer_device(x: Any) -> int:
 # ------------------------------------------------------------------------- collectives
 
 
+# The Works of async collectives not yet waited for, held here even when the caller dropped
+# them: destroy_process_group finishes them first (the other ranks posted them too), so what was
+# given to one gets its result rather than being dropped. Those done and with nothing left to do
+# on the host (no copy into an output list) are let go once there are more than _UNWAITED_PRUNE.
+_unwaited: set = set()
+_UNWAITED_PRUNE = 256
+
+
+def _track_unwaited(w: "Work") -> None:
+    if len(_unwaited) >= _UNWAITED_PRUNE:
+        for old in [u for u in _unwaited if u._finish is None and u._work.is_completed()]:
+            _unwaited.discard(old)
+    _unwaited.add(w)
+
+
 class Work:
     """Handle of a collective started with async_op=True (torch.distributed's Work)."""
 
     def __init__(self, work: Any, finish: Any = None, device_side: bool = False,
-                 stream: int = 0) -> None:
+                 stream: int = 0, group: Any = None) -> None:
         self._work = work
         self._finish = finish
         self._device_side = device_side
         self._stream = stream
         self._done = False
+        self._group = group
+        _track_unwaited(self)
 
     def wait(self, timeout: Any = None) -> bool:
         """Waits for the collective. On GPU, makes the current CUDA stream wait for it (no host
@@ -953,6 +987,7 @@ class Work:
             self._work.wait()
         if not self._done:
             self._done = True
+            _unwaited.discard(self)
             if self._finish is not None:
                 self._finish()
         return True
@@ -995,7 +1030,7 @@ def _run(g: Any, op: int, send: Optional[_Buffer], recv: _Buffer, count: int, re
     work = g.post(op, send.ptr if send is not None else 0, recv.ptr, count, recv.dtype, redop,
                   root, recv.device, recv.stream, keep)
     if async_op:
-        return Work(work, finish, device_side=recv.device >= 0, stream=recv.stream)
+        return Work(work, finish, device_side=recv.device >= 0, stream=recv.stream, group=g)
     # Synchronous: the caller's stream (device) or thread (host) waits right away.
     if recv.device >= 0:
         work.wait(recv.stream, True)
@@ -1427,10 +1462,9 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -
     """Blocks until every rank reached the barrier (or the timeout names those that did not)."""
     g = _group(group)
     work = g.post(_BARRIER, 0, 0, 0, 0, 0, 0, -1, 0, None)
-    w = Work(work)
     if async_op:
-        return w
-    w.wait()
+        return Work(work, group=g)
+    work.wait()
     return None
 
 
