@@ -648,6 +648,36 @@ def scenario_destroy_unwaited() -> Dict:
 SCENARIOS["destroy_unwaited"] = scenario_destroy_unwaited
 
 
+def scenario_named_mismatch() -> Dict:
+    """A mismatch inside a collective made of others names the call the user made: rank 0
+    scatters while rank 1 all-gathers objects; then, on a second group, rank 0 wraps a model
+    while rank 1 all-reduces."""
+    import ddpc
+    import torch
+    init(timeout=10.0)
+    rank = ddpc.get_rank()
+    side = ddpc.new_group()
+    out: Dict = {}
+    try:
+        if rank == 0:
+            ddpc.scatter(np.zeros(2), [np.ones(2), np.ones(2)], src=0)
+        else:
+            ddpc.all_gather_object([None, None], "hello")
+    except ddpc.MismatchError as e:
+        out["first"] = str(e)
+    try:
+        if rank == 0:
+            ddpc.wrap_model(torch.nn.Linear(2, 1), group=side)
+        else:
+            ddpc.all_reduce(np.ones(3), group=side)
+    except ddpc.MismatchError as e:
+        out["second"] = str(e)
+    return out
+
+
+SCENARIOS["named_mismatch"] = scenario_named_mismatch
+
+
 def run_job(scenario: str, world: int, tmp_path, transport: str = "auto",
             timeout: float = 120.0, expect_dead: tuple = (),
             with_torch: bool = False) -> List[Dict]:
@@ -798,6 +828,17 @@ def test_destroy_finishes_async_collectives_nobody_waited_for(tmp_path):
         assert res["warnings"][0].startswith(
             "destroy_process_group: collective #3, started with async_op=True and never waited "
             "for, failed while the group was being destroyed: all_reduce #3"), res
+
+
+def test_a_mismatch_names_the_call_the_user_made(tmp_path):
+    r0, r1 = run_job("named_mismatch", 2, tmp_path, with_torch=True)
+    assert r0["first"].startswith("scatter: broadcast #1: rank 0 called broadcast("), r0
+    assert r1["first"].startswith("all_gather_object: all_gather #1: rank 0 called "
+                                  "broadcast("), r1
+    assert r0["second"].startswith("wrap_model (its collectives compare the ranks' models and "
+                                   "copy rank 0's values: every rank must call it at the same "
+                                   "point): all_gather #1: "), r0
+    assert r1["second"].startswith("all_reduce #1: rank 0 called all_gather("), r1
 
 
 def test_gather_and_scatter_of_torch_tensors_keep_shapes_and_work_async(world_one):

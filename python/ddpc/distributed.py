@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import enum
+import functools
 import hashlib
 import operator
 import os
@@ -1056,6 +1057,25 @@ def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None,
     return _run(g, _ALLREDUCE, None, b, b.count, redop, 0, b.owner, async_op)
 
 
+def _named(name: str) -> Any:
+    """For a collective made of the core's others (scatter is a broadcast, gather_object an
+    all_gather, ...): a DistributedError from inside names the call the user made first, e.g.
+    "scatter: broadcast #5: rank 0 called broadcast(...) but rank 1 called all_gather(...)"."""
+    def wrap(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except _C.DistributedError as e:
+                text = str(e)
+                if text.startswith((name + ":", name + " ")):
+                    raise
+                raise type(e)(f"{name}: {text}").with_traceback(e.__traceback__) from None
+        return call
+    return wrap
+
+
+@_named("reduce")
 def reduce(tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, group: Any = None,
            async_op: bool = False) -> Optional[Work]:
     """Rank dst's tensor becomes the reduction over ranks, in place; the other ranks' tensors stay
@@ -1217,6 +1237,7 @@ def _list_problem(op: str, name: str, items: Any, tensor: Any, g: Any, root: int
     return None
 
 
+@_named("gather")
 def gather(tensor: Any, gather_list: Optional[List[Any]] = None, dst: int = 0,
            group: Any = None, async_op: bool = False) -> Optional[Work]:
     """On rank dst, gather_list[r] receives rank r's tensor; the other ranks pass None
@@ -1239,6 +1260,7 @@ def gather(tensor: Any, gather_list: Optional[List[Any]] = None, dst: int = 0,
     return _run(g, _ALLGATHER, inp, out, inp.count, 0, 0, (inp.owner, flat), async_op, finish)
 
 
+@_named("scatter")
 def scatter(tensor: Any, scatter_list: Optional[List[Any]] = None, src: int = 0,
             group: Any = None, async_op: bool = False) -> Optional[Work]:
     """Each rank r's tensor receives rank src's scatter_list[r]; the other ranks pass None
@@ -1339,6 +1361,7 @@ def _unpickled(data: bytes, what: str) -> Any:
                                   f"importable, at the same version, on this rank?)") from e
 
 
+@_named("all_gather_object")
 def all_gather_object(object_list: List[Any], obj: Any, group: Any = None) -> None:
     """object_list[r] becomes rank r's obj, for any picklable obj
     (torch.distributed.all_gather_object). When a rank's obj cannot be pickled, every rank raises,
@@ -1369,6 +1392,7 @@ def all_gather_object(object_list: List[Any], obj: Any, group: Any = None) -> No
                                     f"object")
 
 
+@_named("gather_object")
 def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None, dst: int = 0,
                   group: Any = None) -> None:
     """On rank dst, object_gather_list[r] becomes rank r's obj; the other ranks pass None
@@ -1387,6 +1411,7 @@ def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None, dst:
         object_gather_list[:] = got
 
 
+@_named("scatter_object_list")
 def scatter_object_list(scatter_object_output_list: List[Any],
                         scatter_object_input_list: Optional[List[Any]] = None, src: int = 0,
                         group: Any = None) -> None:
@@ -1419,6 +1444,7 @@ def scatter_object_list(scatter_object_output_list: List[Any],
     scatter_object_output_list[0] = box[1][g.rank]
 
 
+@_named("broadcast_object_list")
 def broadcast_object_list(object_list: List[Any], src: int = 0, group: Any = None,
                           device: Any = None) -> None:
     """Every rank's object_list becomes rank src's, element by element, for picklable elements

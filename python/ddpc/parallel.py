@@ -1687,8 +1687,16 @@ def wrap_model(module: torch.nn.Module, *, bucket_cap_mb: Optional[float] = None
     default_cap = bucket_cap_mb is None
     if default_cap:
         bucket_cap_mb = default_bucket_cap_mb(g, grad_dtype)
-    model = DistributedModel(module, int(bucket_cap_mb * (1 << 20)), broadcast_buffers,
-                             grad_dtype, g, find_unused_parameters)
+    try:
+        model = DistributedModel(module, int(bucket_cap_mb * (1 << 20)), broadcast_buffers,
+                                 grad_dtype, g, find_unused_parameters)
+    except _C.DistributedError as e:
+        if str(e).startswith("wrap_model"):
+            raise
+        # (a collective of its checks failed: most often another rank is not in wrap_model)
+        raise type(e)(f"wrap_model (its collectives compare the ranks' models and copy rank 0's "
+                      f"values: every rank must call it at the same point): {e}"
+                      ).with_traceback(e.__traceback__) from None
     model._default_cap = default_cap  # (register_comm_hook picks the default for its dtype)
     return model
 
