@@ -120,7 +120,9 @@ static Desc make_desc(const Coll *x) {
     d.dtype = (int32_t)a->dtype;
     if (a->op == DDPC_COLL_ALLREDUCE || a->op == DDPC_COLL_REDUCE_SCATTER)
         d.redop = (int32_t)a->redop;
-    if (a->op == DDPC_COLL_BROADCAST) d.root = a->root;
+    /* (an all-reduce or all-gather carries its caller's dst as root: reduce and gather are
+     * built on them, and ranks that name different dst values must not pair up) */
+    d.root = a->root;
     return d;
 }
 
@@ -135,17 +137,19 @@ static void desc_str(const Desc *d, int with_seq, char *buf, size_t len) {
     if (with_seq) snprintf(seq, sizeof seq, " (its collective #%llu)", (unsigned long long)d->seq);
     const char *dt = ddpc_dtype_name((ddpc_dtype)d->dtype);
     unsigned long long n = (unsigned long long)d->count;
+    char dst[32] = "";
+    if (d->root) snprintf(dst, sizeof dst, ", for dst=%d", d->root);
     switch (d->op) {
     case DDPC_COLL_ALLREDUCE:
     case DDPC_COLL_REDUCE_SCATTER:
-        snprintf(buf, len, "%s(count=%llu, dtype=%s, op=%s)%s", name, n, dt,
-                 ddpc_redop_name((ddpc_redop)d->redop), seq);
+        snprintf(buf, len, "%s(count=%llu, dtype=%s, op=%s%s)%s", name, n, dt,
+                 ddpc_redop_name((ddpc_redop)d->redop), dst, seq);
         break;
     case DDPC_COLL_BROADCAST:
         snprintf(buf, len, "%s(count=%llu, dtype=%s, src=%d)%s", name, n, dt, d->root, seq);
         break;
     case DDPC_COLL_ALLGATHER:
-        snprintf(buf, len, "%s(count=%llu, dtype=%s)%s", name, n, dt, seq);
+        snprintf(buf, len, "%s(count=%llu, dtype=%s%s)%s", name, n, dt, dst, seq);
         break;
     default:
         snprintf(buf, len, "%s()%s", name, seq);

@@ -672,6 +672,14 @@ def scenario_named_mismatch() -> Dict:
             ddpc.all_reduce(np.ones(3), group=side)
     except ddpc.MismatchError as e:
         out["second"] = str(e)
+    # Each rank names itself as dst: reduce and gather refuse (every rank used to get a result)
+    for key, call in (("reduce", lambda g: ddpc.reduce(np.ones(4), dst=rank, group=g)),
+                      ("gather", lambda g: ddpc.gather(np.ones(2), [np.zeros(2)] * 2,
+                                                       dst=rank, group=g))):
+        try:
+            call(ddpc.new_group())
+        except ddpc.MismatchError as e:
+            out[key] = str(e)
     return out
 
 
@@ -832,13 +840,22 @@ def test_destroy_finishes_async_collectives_nobody_waited_for(tmp_path):
 
 def test_a_mismatch_names_the_call_the_user_made(tmp_path):
     r0, r1 = run_job("named_mismatch", 2, tmp_path, with_torch=True)
-    assert r0["first"].startswith("scatter: broadcast #1: rank 0 called broadcast("), r0
-    assert r1["first"].startswith("all_gather_object: all_gather #1: rank 0 called "
-                                  "broadcast("), r1
+    # (a rank may learn of it from the other's abort: "rank 0 aborted the group: ...")
+    assert r0["first"].startswith("scatter: ") and "rank 0 called broadcast(" in r0["first"], r0
+    assert r1["first"].startswith("all_gather_object: ") and \
+        "rank 0 called broadcast(" in r1["first"], r1
     assert r0["second"].startswith("wrap_model (its collectives compare the ranks' models and "
                                    "copy rank 0's values: every rank must call it at the same "
-                                   "point): all_gather #1: "), r0
-    assert r1["second"].startswith("all_reduce #1: rank 0 called all_gather("), r1
+                                   "point): "), r0
+    assert "rank 0 called all_gather(" in r0["second"], r0
+    assert "rank 0 called all_gather(" in r1["second"], r1
+    for r in (r0, r1):  # (one may learn it from the other's abort: "rank 0 aborted the group")
+        assert r["reduce"].startswith("reduce: ") and (
+            "all_reduce #1: rank 0 called all_reduce(count=4, dtype=float64, op=sum) but rank 1 "
+            "called all_reduce(count=4, dtype=float64, op=sum, for dst=1).") in r["reduce"], r
+        assert r["gather"].startswith("gather: ") and (
+            "all_gather #1: rank 0 called all_gather(count=2, dtype=float64) but rank 1 called "
+            "all_gather(count=2, dtype=float64, for dst=1).") in r["gather"], r
 
 
 def test_gather_and_scatter_of_torch_tensors_keep_shapes_and_work_async(world_one):

@@ -1046,6 +1046,12 @@ def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None,
                async_op: bool = False) -> Optional[Work]:
     """Reduces tensor across ranks in place (op: "sum", "avg", "min", "max", "prod" or a
     ddpc.ReduceOp). With async_op=True returns a Work; otherwise returns None when done."""
+    return _all_reduce(tensor, op, group, async_op, 0)
+
+
+def _all_reduce(tensor: Any, op: Any, group: Any, async_op: bool, dst: int) -> Optional[Work]:
+    """all_reduce, carrying reduce's dst (0 for a plain all_reduce) to the ranks' comparison of
+    their calls (the cpu backend's): ranks that name different dst values raise MismatchError."""
     g = _group(group)
     b = _as_buffer(tensor, "all_reduce: tensor")
     redop = _reduce_op(op)
@@ -1054,13 +1060,16 @@ def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None,
     if not async_op and b.device >= 0 and g.all_reduce_now(b.ptr, b.count, b.dtype, redop,
                                                            b.device, b.stream):
         return None
-    return _run(g, _ALLREDUCE, None, b, b.count, redop, 0, b.owner, async_op)
+    return _run(g, _ALLREDUCE, None, b, b.count, redop, dst, b.owner, async_op)
 
 
 def _named(name: str) -> Any:
     """For a collective made of the core's others (scatter is a broadcast, gather_object an
     all_gather, ...): a DistributedError from inside names the call the user made first, e.g.
-    "scatter: broadcast #5: rank 0 called broadcast(...) but rank 1 called all_gather(...)"."""
+    "scatter: broadcast #5: rank 0 called broadcast(...) but rank 1 called all_gather(...)". One
+    built on another (gather_object on all_gather_object) names only the outer call."""
+    _NAMED.add(name)
+
     def wrap(fn: Any) -> Any:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -1070,9 +1079,15 @@ def _named(name: str) -> Any:
                 text = str(e)
                 if text.startswith((name + ":", name + " ")):
                     raise
+                inner = next((n for n in _NAMED if text.startswith(n + ": ")), None)
+                if inner is not None:
+                    text = text[len(inner) + 2:]
                 raise type(e)(f"{name}: {text}").with_traceback(e.__traceback__) from None
         return call
     return wrap
+
+
+_NAMED: set = set()  # the calls _named wraps
 
 
 @_named("reduce")
@@ -1092,9 +1107,9 @@ def reduce(tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, group: Any = None,
                         f"of it, and a {type(tensor).__name__} cannot be copied here: pass a "
                         f"torch tensor or a NumPy array, or use all_reduce")
     if g.rank == dst:
-        return all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return _all_reduce(tensor, op, group, async_op, dst)
     scratch = tensor.clone() if is_torch else tensor.copy()
-    return all_reduce(scratch, op=op, group=group, async_op=async_op)
+    return _all_reduce(scratch, op, group, async_op, dst)
 
 
 def _check_rank(g: Any, value: Any, name: str, op: str) -> None:
@@ -1257,7 +1272,7 @@ def gather(tensor: Any, gather_list: Optional[List[Any]] = None, dst: int = 0,
             for t, part in zip(gather_list, split()):
                 _copy_into(t, part.reshape(t.shape))
 
-    return _run(g, _ALLGATHER, inp, out, inp.count, 0, 0, (inp.owner, flat), async_op, finish)
+    return _run(g, _ALLGATHER, inp, out, inp.count, 0, dst, (inp.owner, flat), async_op, finish)
 
 
 @_named("scatter")
