@@ -187,6 +187,10 @@ static ddpc_status timeout_error(const Coll *x) {
 
 /* The checks every wait makes between slices: abort (ours or a peer's, from the store), destroy,
  * and the work's deadline. Peer liveness is transport specific and checked by the caller. */
+/* common_checks' `slow`: 1 for the slow checks (the store's abort key, the stall note), or only
+ * the stall note (the caller has looked at the store itself). */
+#define SLOW_NOTE_ONLY 2
+
 static ddpc_status common_checks(const Coll *x, int slow) {
     CpuComm *c = x->c;
     if (atomic_load(&c->stopping))
@@ -194,8 +198,13 @@ static ddpc_status common_checks(const Coll *x, int slow) {
                           "%s #%llu: the process group was destroyed on rank %d while the "
                           "collective was in flight",
                           x->name, x->seq, x->rank);
-    if (atomic_load(&c->g->aborted) == 1 || slow) DDPC_CHECK(ddpc_group_check_abort(c->g));
+    if (atomic_load(&c->g->aborted) == 1 || slow == 1) DDPC_CHECK(ddpc_group_check_abort(c->g));
     if (ddpc_now_ms() >= x->w->deadline_ms) return timeout_error(x);
+    if (slow) {
+        char what[96];
+        snprintf(what, sizeof what, "%s #%llu", x->name, x->seq);
+        ddpc_group_note_stall(c->g, x->w, what);
+    }
     return DDPC_OK;
 }
 
@@ -302,7 +311,7 @@ static ddpc_status shm_wait(const Coll *x, int q, uint32_t target) {
             if (st != DDPC_OK && !reached(atomic_load(&r->step), target)) return st;
             if (st != DDPC_OK) return DDPC_OK;
         }
-        DDPC_CHECK(common_checks(x, 0));
+        DDPC_CHECK(common_checks(x, slow ? SLOW_NOTE_ONLY : 0));
         atomic_fetch_add(&r->waiters, 1);
         uint32_t v = atomic_load(&r->step);
         if (!reached(v, target)) {

@@ -721,6 +721,7 @@ static void check_health(NcclImpl *im, HeadWatch *hw) {
     }
     char what[160], msg[2048];
     describe_work(w, what, sizeof what);
+    ddpc_group_note_stall(g, w, what);
 
     ncclResult_t state = ncclSuccess, r = ncclSuccess;
     /* A post holds comm_mu while it enqueues; rather than wait behind it, look next round. */

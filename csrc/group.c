@@ -50,6 +50,10 @@ ddpc_status ddpc_group_create(const DdpcGroupConfig *cfg, DdpcGroup **out) {
     g->local_rank = cfg->local_rank >= 0 ? cfg->local_rank : cfg->rank;
     g->local_world = cfg->local_world_size > 0 ? cfg->local_world_size : cfg->world_size;
     g->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 600000;
+    double stall_s = 60.0;
+    DDPC_CHECK(ddpc_setting_number("DDPC_STALL_WARN", 60.0, &stall_s));
+    g->stall_ms = (int64_t)(stall_s * 1000.0);
+    if (g->stall_ms >= g->timeout_ms) g->stall_ms = 0; /* the timeout says it first */
     g->store = cfg->store;
     copy_str(g->prefix, sizeof g->prefix, cfg->prefix && cfg->prefix[0] ? cfg->prefix : "g0");
     copy_str(g->host_id, sizeof g->host_id, cfg->host_id);
@@ -181,6 +185,30 @@ int ddpc_group_rank_dead(DdpcGroup *g, int r) {
     snprintf(key, sizeof key, "ddpc/dead/%d", r);
     if (ddpc_store_check(g->store, keys, 1, &present) != DDPC_OK) return 0;
     return present;
+}
+
+static void describe_prefix(const char *prefix, char *buf, size_t len);
+
+void ddpc_group_note_stall(DdpcGroup *g, DdpcWork *w, const char *what) {
+    if (g->stall_ms <= 0 || atomic_load(&w->stall_noted)) return;
+    int64_t waited = ddpc_now_ms() - (w->deadline_ms - g->timeout_ms);
+    if (waited < g->stall_ms) return;
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&w->stall_noted, &expected, 1)) return;
+    char where[160], whom[64];
+    describe_prefix(g->prefix, where, sizeof where);
+    if (g->world == 2)
+        snprintf(whom, sizeof whom, "rank %d", 1 - g->rank);
+    else
+        snprintf(whom, sizeof whom, "the ranks that have not reached it");
+    fprintf(stderr,
+            "ddpc: rank %d has waited %.0f s in %s (%s) for %s; it gives up after %.0f s (timeout= "
+            "of %s). Nothing is wrong if a rank is only busy (rank 0 evaluating alone, say); if "
+            "one is stuck, its Python stack shows where (py-spy dump --pid PID; ddpc.launch "
+            "shows the ranks' stacks at the timeout). DDPC_STALL_WARN=0 turns this note off\n",
+            g->rank, (double)waited / 1000.0, what, where, whom, (double)g->timeout_ms / 1000.0,
+            ddpc_group_timeout_owner(g));
+    fflush(stderr);
 }
 
 const char *ddpc_group_timeout_owner(const DdpcGroup *g) {

@@ -16,6 +16,7 @@ struct DdpcWork {
     int64_t deadline_ms;    /* absolute, ddpc_now_ms() clock */
     pthread_mutex_t mu;
     pthread_cond_t cv;
+    atomic_int stall_noted; /* ddpc_group_note_stall said it waits too long */
     atomic_int done;        /* 1 once status/msg are final */
     ddpc_status status;
     char *msg;              /* malloc'd copy of the failure message (set before done) */
@@ -58,6 +59,7 @@ typedef struct DdpcBackendOps {
 struct DdpcGroup {
     int rank, world, local_rank, local_world;
     int64_t timeout_ms;
+    int64_t stall_ms;       /* DDPC_STALL_WARN: note a collective waiting this long (0: never) */
     DdpcStore *store;
     char prefix[128];
     char host_id[256];
@@ -105,6 +107,11 @@ void ddpc_group_key(const DdpcGroup *g, char *buf, size_t len, const char *fmt, 
  * moment to do the same, and writes into buf the ranks that never arrived at collective `seq`
  * (or died: the store's "ddpc/dead/<r>" keys), e.g. "rank 1 never arrived (it is at #6)". */
 void ddpc_group_describe_missing(DdpcGroup *g, uint64_t seq, char *buf, size_t len);
+
+/* For a wait loop's slow checks: once w has waited g->stall_ms for the other ranks, prints one
+ * line to stderr saying so (where, for whom, when it gives up), so a stuck job says what it
+ * waits for long before its timeout. `what` names the collective ("all_reduce #12"). */
+void ddpc_group_note_stall(DdpcGroup *g, DdpcWork *w, const char *what);
 
 /* What set this group's timeout, for a hint: "init_process_group" (the default group) or
  * "new_group". */

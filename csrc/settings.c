@@ -88,6 +88,9 @@ static const Setting SETTINGS[] = {
     {"DDPC_TIMEOUT", KIND_NUMBER, 0.001, 1e9, {NULL},
      "the seconds a collective or the rendezvous may take (default 600), unless "
      "init_process_group gets a timeout"},
+    {"DDPC_STALL_WARN", KIND_NUMBER, 0, 1e9, {NULL},
+     "the seconds a collective may wait for the other ranks before this rank says so on its "
+     "stderr, once per collective (default 60; 0: never); only when the timeout is longer"},
     {"DDPC_CPU_TRANSPORT", KIND_CHOICE, 0, 0, {"auto", "shm", "tcp", NULL},
      "how the CPU backend moves data: auto (the default: shared memory within a host, TCP "
      "across hosts), shm or tcp"},

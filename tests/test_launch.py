@@ -747,6 +747,32 @@ def test_a_crash_in_native_code_shows_the_python_line_that_made_the_call(tmp_pat
     assert "_worker.py" not in summary and "Extension modules" not in summary, summary
 
 
+def test_a_rank_waiting_long_for_another_says_so_before_the_timeout(tmp_path):
+    """DDPC_STALL_WARN seconds into a collective that another rank has not reached, the waiting
+    rank says so once on its stderr (where, for whom, when it gives up); the job then goes on."""
+    write(tmp_path, "late.py", """
+        import time
+        import numpy as np
+        import ddpc
+        ddpc.init_process_group(timeout=60)
+        if ddpc.get_rank() == 0:
+            time.sleep(2.5)  # (busy: the others wait)
+        x = np.ones(2)
+        ddpc.all_reduce(x)
+        ddpc.all_reduce(x)  # (on time: no note)
+        print("sum", x.tolist())
+    """)
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "late.py"], tmp_path,
+                             env=launcher_env(DDPC_STALL_WARN="0.5"))
+    assert rc == 0, err
+    assert out.count("sum [4.0, 4.0]") == 2, out
+    notes = re.findall(r"^\[rank(\d)\]: ddpc: rank \1 has waited (\d+) s in all_reduce #1 "
+                       r"\(the default group\) for rank 0; it gives up after 60 s \(timeout= of "
+                       r"init_process_group\)\. Nothing is wrong if a rank is only busy", err, re.M)
+    assert notes == [("1", notes[0][1])] and 0 <= int(notes[0][1]) <= 2, err
+    assert "all_reduce #2" not in err, err
+
+
 def test_torchruns_console_flags_filter_and_redirect_ranks_output(tmp_path):
     """--local-ranks-filter, --redirects and --tee, as torchrun: the console shows what they
     leave, the log files get everything (a temporary directory, printed, without --log-dir), and
