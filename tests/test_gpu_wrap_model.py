@@ -1329,3 +1329,57 @@ if __name__ == "__main__":
         print(f"all scenarios passed on the cpu backend in {time.monotonic() - t0:.1f} s")
         sys.exit(0)
     sys.exit(pytest.main([__file__, "-v", "-m", "gpu"]))
+
+
+_PLAN_ACTIVATIONS = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import _tinylm
+from ddpc import plan
+# GPT-2's shape (12 layers, width 768, vocabulary 50304) at 8 x 1024 tokens, float32
+build, batch = _tinylm.make(vocab=50304, width=768, heads=12, layers=12, batch=8, seq=1024)
+with torch.device("meta"):
+    meta = build()
+saved, largest = plan.activation_bytes(meta, batch)
+rows = {r.name: r for r in plan.estimate(plan.module_params(meta), 1, "adamw",
+                                         activations=saved + largest)}
+torch.manual_seed(0)
+model = build().cuda()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+inputs = {k: v.cuda() for k, v in batch().items()}
+real, real_largest, loss = _tinylm.saved_bytes(model, inputs)
+loss.backward()
+opt.step()
+opt.zero_grad(set_to_none=True)
+del loss
+torch.cuda.synchronize()
+torch.cuda.reset_peak_memory_stats()
+for _ in range(2):
+    model(**inputs).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+torch.cuda.synchronize()
+print(json.dumps({"saved": saved, "largest": largest, "real": real,
+                  "real_largest": real_largest, "peak": torch.cuda.max_memory_allocated(),
+                  "planned": rows["one GPU alone"].total}))
+"""
+
+
+@pytest.mark.skipif(not _gpus_ready(1), reason="needs a CUDA build of ddpc, a GPU and torch "
+                                                "with CUDA")
+def test_plan_counts_the_activations_a_gpu_step_holds():
+    """ddpc.plan --batch counts a forward's activations on the meta device, with attention as
+    CUDA's fused kernels save it: on the GPU, what autograd saves is that, and a step's peak
+    memory is the plan's total for one GPU, within 5% (the allocator's rounding, cuBLAS's
+    workspace)."""
+    import json
+    import subprocess
+    tests = os.path.dirname(os.path.abspath(__file__))
+    res = subprocess.run([sys.executable, "-c", _PLAN_ACTIVATIONS, tests], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    print(r)
+    assert abs(r["saved"] - r["real"]) <= 0.01 * r["real"], r
+    assert r["largest"] == r["real_largest"], r
+    assert abs(r["peak"] - r["planned"]) <= 0.05 * r["planned"], r

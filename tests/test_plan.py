@@ -12,6 +12,7 @@ import torch
 from ddpc import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # (_tinylm)
 
 
 class Tied(torch.nn.Module):
@@ -99,6 +100,42 @@ def test_a_model_built_on_the_meta_device_and_the_verdict(tmp_path):
     res = run_plan(["--params", "15.5B", "--nproc", "2", "--gpu-memory", "80"], tmp_path)
     assert "verdict: the model's states alone do not fit on one GPU with any of these" in \
         res.stdout, res.stdout
+
+
+def test_activations_counted_on_the_meta_device_are_what_a_real_forward_saves():
+    """activation_bytes runs one forward on the meta device: what autograd saves there is what a
+    real forward on the CPU saves, within the few bytes by which the fused attention kernels'
+    bookkeeping differs (the meta device stands in CUDA's memory-efficient kernel)."""
+    import _tinylm
+    with torch.device("meta"):
+        model = _tinylm.build()
+    saved, largest = plan.activation_bytes(model, _tinylm.batch)
+    torch.manual_seed(0)
+    real, real_largest, _ = _tinylm.saved_bytes(_tinylm.build(), _tinylm.batch())
+    assert abs(saved - real) <= 1024 and largest == real_largest, (saved, real, largest)
+    assert saved > 20 * 2 ** 20, saved  # (activations, not weights: 0.8M parameters)
+    # The score matrices attention's math path would save (3 layers x 4 x 4 heads x 256 x 256
+    # float32, twice) are not counted: CUDA's fused kernels do not keep them.
+    assert saved < real + 3 * 16 * 256 * 256 * 4
+
+
+def test_a_batch_adds_its_activations_to_the_table(tmp_path):
+    res = run_plan(["--model", "_tinylm:build", "--batch", "_tinylm:batch", "--nproc", "1",
+                    "--gpu-memory", "0.03"], os.path.join(ROOT, "tests"))
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert out.startswith("_tinylm:build: 0.8M parameters (0.8M trainable), 32-bit; activations "
+                          "of _tinylm:batch: 0.03 GiB saved for backward, the largest 0.00 GiB"), out
+    assert out.splitlines()[1].split() == ["GiB", "per", "GPU", "weights", "grads", "reducer",
+                                           "optimizer", "autocast", "activations", "total",
+                                           "left"], out
+    assert "verdict: this batch does not fit with any of these" in out, out
+    res = run_plan(["--params", "1B", "--batch", "_tinylm:batch"], os.path.join(ROOT, "tests"))
+    assert res.returncode == 2 and "argument --batch: needs --model" in res.stderr, res.stderr
+    res = run_plan(["--model", "_tinylm:build", "--batch", "os:getcwd"],
+                   os.path.join(ROOT, "tests"))
+    assert res.returncode == 2 and "--batch 'os:getcwd': the forward on the meta device raised " \
+        "TypeError" in res.stderr, res.stderr
 
 
 @pytest.mark.parametrize("args,message", [

@@ -5,9 +5,11 @@ what each GPU has free: before anything is allocated.
 
     python -m ddpc.plan --params 1.5B --nproc 2
     python -m ddpc.plan --model mypkg.models:build --nproc 2 --autocast
+    python -m ddpc.plan --model mypkg.models:build --batch mypkg.models:example_batch
 
-Activations are not counted (they depend on the batch, the sequence length and checkpointing):
-the table says what is left for them.
+Activations depend on the batch, the sequence length and checkpointing. Without --batch they are
+not counted, and the table says what is left for them. With --batch, one forward runs on the meta
+device (no memory) and the tensors autograd saves for backward are counted.
 """
 from __future__ import annotations
 
@@ -37,14 +39,25 @@ class Row:
     optimizer: float
     autocast: float    # the 16-bit copies of the weights autocast keeps during a forward
     note: str = ""
+    activations: float = 0.0  # with --batch: saved for backward, plus the largest one's gradient
+
+    @property
+    def states(self) -> float:
+        return self.weights + self.grads + self.reducer + self.optimizer + self.autocast
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.reducer + self.optimizer + self.autocast
+        """The most held at once: the states after backward, or at the start of backward the
+        activations instead of the gradients (None after zero_grad(); the wires not made yet)."""
+        if not self.activations:
+            return self.states
+        wire = self.reducer if self.name.startswith("ddpc grad_dtype") else 0.0
+        return max(self.states, self.states - self.grads - wire + self.activations)
 
 
 def estimate(params: Iterable[Tuple[int, int, bool]], world_size: int,
-             optimizer: str = "adamw", autocast: bool = False) -> List[Row]:
+             optimizer: str = "adamw", autocast: bool = False,
+             activations: float = 0.0) -> List[Row]:
     """Rows for params given as (numel, bytes per element, trainable) over world_size GPUs.
     Gradients and optimizer state follow the parameters' own dtype, as torch's do; bf16
     gradients in ddpc add a 2-byte wire per float32 element, held while the step's buckets are
@@ -64,7 +77,7 @@ def estimate(params: Iterable[Tuple[int, int, bool]], world_size: int,
     opt = grads * OPTIMIZERS[optimizer]
     cast = copies if autocast else 0.0
     shard = f"the optimizer state of 1/{world_size} of the parameters"
-    return [
+    rows = [
         Row("one GPU alone", weights, grads, 0.0, opt, cast),
         Row("torch DDP", weights, grads, grads, opt, cast,
             "reducer: its bucket copies of the gradients (gradient_as_bucket_view=False, the "
@@ -76,6 +89,138 @@ def estimate(params: Iterable[Tuple[int, int, bool]], world_size: int,
         Row("ddpc + ZeroRedundancyOptimizer", weights, grads, 0.0, opt / world_size, cast,
             "optimizer: " + shard),
     ]
+    for r in rows:
+        r.activations = activations
+    return rows
+
+
+def _loss_of(out: Any) -> Any:
+    """The loss a forward's output stands for: its .loss (a Hugging Face model given labels),
+    else the sum of the first tensor in it."""
+    import torch
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    stack = [out]
+    while stack:
+        x = stack.pop(0)
+        if isinstance(x, torch.Tensor):
+            return x.float().sum()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif hasattr(x, "values") and callable(x.values):
+            stack.extend(x.values())
+    raise ValueError(f"the forward returned {type(out).__name__}, with no tensor in it")
+
+
+def _fused_attention(original: Any) -> Any:
+    """F.scaled_dot_product_attention as a GPU runs it, for a forward on the meta device: there
+    it would take the math path, which saves every (query, key) score matrix for backward,
+    where CUDA's fused kernels (flash, memory-efficient) save only the inputs, the output and
+    one number per query row. The memory-efficient kernel's meta version stands in."""
+    import torch
+
+    def attention(query: Any, key: Any, value: Any, attn_mask: Any = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None,
+                  enable_gqa: bool = False) -> Any:
+        if query.device.type != "meta" or query.dim() != 4:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if enable_gqa and key.shape[1] != query.shape[1]:
+            groups = query.shape[1] // key.shape[1]
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+        bias = attn_mask
+        if bias is not None and bias.dtype == torch.bool:
+            bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device)
+        if bias is not None:
+            bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, True, dropout_p, is_causal, scale=scale)[0]
+    return attention
+
+
+def activation_bytes(model: Any, batch: Any) -> Tuple[int, int]:
+    """(bytes autograd saves for backward, the largest of them) for one forward of `model` (on
+    the meta device) on the input that `batch` returns (a function, or `pkg.module:function`;
+    called on the meta device: a tensor, a tuple of positional inputs, or a dict of keyword
+    inputs). Attention (F.scaled_dot_product_attention) is counted as CUDA's fused kernels save
+    it. The parameters and buffers are not counted (they are weights); the output and the loss
+    are."""
+    import torch
+    spec = batch if isinstance(batch, str) else getattr(batch, "__name__", "batch")
+    factory = batch if callable(batch) else _factory(
+        batch, "--batch", "returns one forward's input for one GPU (a tensor, a tuple of "
+                          "inputs, or a dict of keyword inputs)")
+    try:
+        with torch.device("meta"):
+            batch = factory()
+    except Exception as e:  # noqa: BLE001 - the user's factory
+        raise ValueError(f"--batch {spec!r}: it raised {type(e).__name__}: {e} (it is called "
+                         f"with no arguments, on the meta device)") from None
+    def key(t: Any) -> Tuple[Any, int]:
+        try:
+            st = t.untyped_storage()
+            return st._cdata, st.nbytes()
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return id(t), t.numel() * t.element_size()
+
+    weights = {key(t)[0] for t in list(model.parameters()) + list(model.buffers())}
+    saved: dict = {}
+
+    def pack(t: Any) -> Any:
+        k, n = key(t)
+        if k not in weights:
+            saved[k] = n
+        return t
+
+    if isinstance(batch, dict):
+        args, kwargs = (), batch
+    elif isinstance(batch, (tuple, list)):
+        args, kwargs = tuple(batch), {}
+    else:
+        args, kwargs = (batch,), {}
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+    functional.scaled_dot_product_attention = _fused_attention(original)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(*args, **kwargs)
+            loss = _loss_of(out)
+    except Exception as e:  # noqa: BLE001 - the user's model, on the meta device
+        raise ValueError(f"--batch {spec!r}: the forward on the meta device raised "
+                         f"{type(e).__name__}: {e}") from None
+    finally:
+        functional.scaled_dot_product_attention = original
+    # The output (held by the caller until backward) and the loss count too.
+    held = list(out) if isinstance(out, (tuple, list)) else [getattr(out, "logits", out)]
+    for t in held + [loss]:
+        if isinstance(t, torch.Tensor):
+            k, n = key(t)
+            if k not in weights:
+                saved[k] = n
+    return sum(saved.values()), max(saved.values(), default=0)
+
+
+def _factory(spec: str, flag: str, does: str) -> Any:
+    """The function `pkg.module:function` names (imported from the working directory too)."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise ValueError(f"{flag} {spec!r}: expected MODULE:FUNCTION, e.g. mypkg.models:build "
+                         f"(a function that {does})")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"{flag} {spec!r}: cannot import {mod_name!r}: {e}") from None
+    finally:
+        sys.path.pop(0)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"{flag} {spec!r}: {mod_name!r} has no function {attr!r}")
+    return factory
 
 
 def module_params(model: Any) -> List[Tuple[int, int, bool]]:
@@ -106,20 +251,8 @@ def parse_count(text: str) -> int:
 def build_on_meta(spec: str) -> Any:
     """Calls the factory `pkg.module:function` with parameters made on torch's meta device
     (shapes and dtypes only, no memory)."""
-    mod_name, sep, attr = spec.partition(":")
-    if not sep or not mod_name or not attr:
-        raise ValueError(f"--model {spec!r}: expected MODULE:FUNCTION, e.g. mypkg.models:build "
-                         f"(a function that returns the torch.nn.Module to train)")
-    sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(f"--model {spec!r}: cannot import {mod_name!r}: {e}") from None
-    finally:
-        sys.path.pop(0)
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ValueError(f"--model {spec!r}: {mod_name!r} has no function {attr!r}")
+    attr = spec.partition(":")[2]
+    factory = _factory(spec, "--model", "returns the torch.nn.Module to train")
     import torch
     try:
         with torch.device("meta"):
@@ -148,17 +281,38 @@ def gpu_free_gib(n: int) -> Tuple[Optional[float], str]:
 
 
 def report(rows: Sequence[Row], gpu_gib: Optional[float], header: str) -> str:
-    cols = ("weights", "grads", "reducer", "optimizer", "autocast")
-    lines = [header, f"{'GiB per GPU':<32}" + "".join(f"{c:>10}" for c in cols) +
-             f"{'total':>9}" + ("   left for activations" if gpu_gib is not None else "")]
+    acts = any(r.activations for r in rows)
+    cols = ("weights", "grads", "reducer", "optimizer", "autocast") + \
+        (("activations",) if acts else ())
+    left = "   left" if acts else "   left for activations"
+    width = {c: 13 if c == "activations" else 10 for c in cols}
+    lines = [header, f"{'GiB per GPU':<32}" + "".join(f"{c:>{width[c]}}" for c in cols) +
+             f"{'total':>9}" + (left if gpu_gib is not None else "")]
     for r in rows:
-        line = f"{r.name:<32}" + "".join(f"{getattr(r, c) / GIB:>10.2f}" for c in cols)
+        line = f"{r.name:<32}" + "".join(f"{getattr(r, c) / GIB:>{width[c]}.2f}" for c in cols)
         line += f"{r.total / GIB:>9.2f}"
         if gpu_gib is not None:
             left = gpu_gib - r.total / GIB
             line += f"   {left:>8.2f}" + ("" if left > 0 else "  does not fit")
         lines.append(line)
     lines += [f"  {r.name}: {r.note}" for r in rows if r.note]
+    if acts:
+        lines.append("  activations: what autograd saves for backward in one forward of --batch "
+                     "(and the output), plus the gradient of the largest of them; total: the "
+                     "more of the states after backward and the start of backward, where these "
+                     "stand in for the gradients. Not counted: the CUDA context, cuBLAS's and "
+                     "NCCL's workspaces, and the allocator's fragmentation")
+    if gpu_gib is not None and acts:
+        fits = [r for r in rows[1:] if r.total / GIB < gpu_gib]
+        if not fits:
+            lines.append("verdict: this batch does not fit with any of these: a smaller batch, "
+                         "activation checkpointing, bf16 autocast or LoRA lowers the total")
+        else:
+            best = min(fits, key=lambda r: r.total)
+            lines.append(f"verdict: this batch fits with {', '.join(r.name for r in fits)}; "
+                         f"most room left with {best.name} "
+                         f"({gpu_gib - best.total / GIB:.2f} GiB)")
+        return "\n".join(lines)
     if gpu_gib is not None:
         fits = [r for r in rows[1:] if r.total / GIB < gpu_gib]
         if not fits:
@@ -184,6 +338,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="a function that returns the model; it is called with parameters on "
                            "the meta device, so nothing is allocated (frozen parameters count as "
                            "weights only)")
+    ap.add_argument("--batch", metavar="MODULE:FUNCTION",
+                    help="with --model: a function that returns one forward's input for one GPU "
+                         "(a tensor, a tuple of inputs, or a dict of keyword inputs, such as a "
+                         "Hugging Face batch with labels), made on the meta device: the "
+                         "activations of that batch are counted")
     ap.add_argument("--dtype", choices=sorted(DTYPE_SIZES), default="float32",
                     help="the parameters' dtype with --params (default float32)")
     ap.add_argument("--nproc", type=int, default=None,
@@ -199,9 +358,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(f"argument --nproc: expected at least 1, got {args.nproc}")
     if args.gpu_memory is not None and not (args.gpu_memory > 0 and math.isfinite(args.gpu_memory)):
         ap.error(f"argument --gpu-memory: expected GiB above 0, got {args.gpu_memory}")
+    if args.batch is not None and args.model is None:
+        ap.error("argument --batch: needs --model (the batch runs through that model)")
+    activations, act_note = 0.0, ""
     if args.model is not None:
         try:
             model = build_on_meta(args.model)
+            if args.batch is not None:
+                saved, largest = activation_bytes(model, args.batch)
+                activations = float(saved + largest)
+                act_note = (f"; activations of {args.batch}: {saved / GIB:.2f} GiB saved for "
+                            f"backward, the largest {largest / GIB:.2f} GiB")
+                if args.autocast:
+                    act_note += (" (counted as the model computes without autocast: bf16/fp16 "
+                                 "autocast saves most of them in 16 bits, so fewer)")
         except ValueError as e:
             ap.error(str(e))
         params = module_params(model)
@@ -220,8 +390,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         gib, source = args.gpu_memory, "as given"
     else:
         gib, source = gpu_free_gib(nproc)
-    rows = estimate(params, nproc, args.optimizer, args.autocast)
-    header = (f"{what}; {args.optimizer}{', autocast' if args.autocast else ''}; {nproc} GPU(s); "
+    rows = estimate(params, nproc, args.optimizer, args.autocast, activations)
+    header = (f"{what}{act_note}; {args.optimizer}{', autocast' if args.autocast else ''}; {nproc} GPU(s); "
               + (f"{gib:.2f} GiB per GPU ({source})" if gib is not None else
                  f"GPU memory unknown ({source}): pass --gpu-memory GIB"))
     print(report(rows, gib, header))
