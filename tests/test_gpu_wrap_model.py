@@ -1342,7 +1342,7 @@ with torch.device("meta"):
     meta = build()
 saved, largest = plan.activation_bytes(meta, batch)
 rows = {r.name: r for r in plan.estimate(plan.module_params(meta), 1, "adamw",
-                                         activations=saved + largest)}
+                                         activations=plan.activation_peak(saved, largest))}
 torch.manual_seed(0)
 model = build().cuda()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
