@@ -311,28 +311,25 @@ def report(rows: Sequence[Row], gpu_gib: Optional[float], header: str) -> str:
                      "more of the states after backward and the start of backward, where these "
                      "stand in for the gradients. Not counted: the CUDA context, cuBLAS's and "
                      "NCCL's workspaces, and the allocator's fragmentation")
-    if gpu_gib is not None and acts:
-        fits = [r for r in rows[1:] if r.total / GIB < gpu_gib]
-        if not fits:
-            lines.append("verdict: this batch does not fit with any of these: a smaller batch, "
-                         "activation checkpointing, bf16 autocast or LoRA lowers the total")
-        else:
-            best = min(fits, key=lambda r: r.total)
-            lines.append(f"verdict: this batch fits with {', '.join(r.name for r in fits)}; "
-                         f"most room left with {best.name} "
-                         f"({gpu_gib - best.total / GIB:.2f} GiB)")
+    if gpu_gib is None:
         return "\n".join(lines)
-    if gpu_gib is not None:
-        fits = [r for r in rows[1:] if r.total / GIB < gpu_gib]
-        if not fits:
-            lines.append("verdict: the model's states alone do not fit on one GPU with any of "
-                         "these: shard the parameters and gradients too (FSDP, DeepSpeed ZeRO-3), "
-                         "train fewer parameters (LoRA, frozen layers), or keep 16-bit weights")
-        else:
-            best = min(fits, key=lambda r: r.total)
-            lines.append(f"verdict: fits with {', '.join(r.name for r in fits)}; most room for "
-                         f"activations with {best.name} ({gpu_gib - best.total / GIB:.2f} GiB, "
-                         f"before the batch's activations and the CUDA context)")
+    fits = [r for r in rows[1:] if r.total / GIB < gpu_gib]
+    best = min(fits, key=lambda r: r.total) if fits else None
+    room = f"{gpu_gib - best.total / GIB:.2f} GiB" if best else ""
+    if acts and not fits:
+        lines.append("verdict: this batch does not fit with any of these: a smaller batch, "
+                     "activation checkpointing, bf16 autocast or LoRA lowers the total")
+    elif acts:
+        lines.append(f"verdict: this batch fits with {', '.join(r.name for r in fits)}; most "
+                     f"room left with {best.name} ({room})")
+    elif not fits:
+        lines.append("verdict: the model's states alone do not fit on one GPU with any of "
+                     "these: shard the parameters and gradients too (FSDP, DeepSpeed ZeRO-3), "
+                     "train fewer parameters (LoRA, frozen layers), or keep 16-bit weights")
+    else:
+        lines.append(f"verdict: fits with {', '.join(r.name for r in fits)}; most room for "
+                     f"activations with {best.name} ({room}, before the batch's activations "
+                     f"and the CUDA context)")
     return "\n".join(lines)
 
 
