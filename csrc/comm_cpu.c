@@ -169,7 +169,7 @@ static ddpc_status check_descs(const Coll *x, const Desc *descs) {
         return ddpc_error(DDPC_ERR_MISMATCH,
                           "%s #%llu: rank 0 called %s but rank %d called %s. Every rank must call "
                           "the same collectives in the same order, with the same element count, "
-                          "dtype and op",
+                          "dtype, op and src/dst",
                           x->name, x->seq, a, q, b);
     }
     return DDPC_OK;
@@ -1465,6 +1465,21 @@ static void cpu_destroy(DdpcGroup *g) {
     comm_free(c);
 }
 
+/* ddpc_group_wait_idle: the communication thread has nothing queued or running. Each work ends
+ * by its deadline at the latest, so this ends too. */
+static ddpc_status cpu_wait_idle(DdpcGroup *g) {
+    CpuComm *c = g->impl;
+    if (!c) return DDPC_OK;
+    for (;;) {
+        pthread_mutex_lock(&c->mu);
+        int busy = (c->head || c->current) && !c->stop;
+        pthread_mutex_unlock(&c->mu);
+        if (!busy) return DDPC_OK;
+        DDPC_CHECK(ddpc_check_interrupt());
+        poll(NULL, 0, 2);
+    }
+}
+
 static ddpc_status cpu_post(DdpcGroup *g, DdpcWork *w) {
     CpuComm *c = g->impl;
     if (w->args.device >= 0)
@@ -1552,5 +1567,6 @@ const DdpcBackendOps ddpc_backend_cpu = {
     .wait_stream = NULL,
     .abort = cpu_abort,
     .destroy = cpu_destroy,
+    .wait_idle = cpu_wait_idle,
     .work_free = NULL,
 };

@@ -245,6 +245,11 @@ ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **o
  * complete (an abort completes every work) while that thread still runs its `after` work, which
  * may use memory its poster is about to free. Interruptible; nothing to wait for elsewhere. */
 ddpc_status ddpc_group_wait_posted(DdpcGroup *g);
+/* Waits until every collective posted so far on this rank has finished or failed (each within
+ * its deadline; interruptibly): destroy_process_group calls it first, so a collective posted
+ * with async_op=True and never waited for still lands. Backends whose work runs on a device
+ * stream (nccl) have nothing to wait for here. */
+ddpc_status ddpc_group_wait_idle(DdpcGroup *g);
 /* A synchronous all-reduce queued on args->stream without a work, when the backend has a path
  * for it (nccl: small messages between the GPUs of one host). *ran = 0: nothing was done, post
  * it instead. The next sequence number is used only when it ran. */

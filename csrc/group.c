@@ -189,6 +189,10 @@ int ddpc_group_rank_dead(DdpcGroup *g, int r) {
 
 static void describe_prefix(const char *prefix, char *buf, size_t len);
 
+/* Set once this process published "ddpc/waiting/<rank>" (a timeout); the next collective it
+ * posts deletes the key. */
+static atomic_int g_waiting_published;
+
 void ddpc_group_note_stall(DdpcGroup *g, DdpcWork *w, const char *what) {
     if (g->stall_ms <= 0 || atomic_load(&w->stall_noted)) return;
     int64_t waited = ddpc_now_ms() - (w->deadline_ms - g->timeout_ms);
@@ -228,9 +232,16 @@ static void describe_prefix(const char *prefix, char *buf, size_t len) {
         snprintf(buf, len, "the group with store prefix %s", prefix);
 }
 
-/* Rank r's "ddpc/waiting/<r>" ("<prefix> <seq>", set when one of its collectives timed out), if
- * it names a group other than g: written into buf as "it is waiting in collective #N of <that
- * group>". Returns whether it did. */
+static int64_t wall_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Rank r's "ddpc/waiting/<r>" ("<prefix> <seq> <wall ms>", set when one of its collectives timed
+ * out), if it names a group other than g and was set while this rank waited (not before this
+ * collective began: then r has caught that timeout and gone on): written into buf as "it is
+ * waiting in collective #N of <that group>". Returns whether it did. */
 static int waiting_elsewhere(DdpcGroup *g, int r, char *buf, size_t len) {
     char key[64];
     const char *keys[1] = {key};
@@ -242,9 +253,13 @@ static int waiting_elsewhere(DdpcGroup *g, int r, char *buf, size_t len) {
     if (ddpc_store_get(g->store, key, 1000, &pv, &pl) != DDPC_OK) return 0;
     char val[160], prefix[128], where[160];
     unsigned long long seq = 0;
+    long long at = 0;
     snprintf(val, sizeof val, "%.*s", (int)DDPC_MIN(pl, sizeof val - 1), (char *)pv);
     free(pv);
-    if (sscanf(val, "%127s %llu", prefix, &seq) != 2 || strcmp(prefix, g->prefix) == 0) return 0;
+    if (sscanf(val, "%127s %llu %lld", prefix, &seq, &at) != 3 || strcmp(prefix, g->prefix) == 0)
+        return 0;
+    /* (this collective has waited the whole timeout; a second of slack for the clocks) */
+    if (at < wall_ms() - g->timeout_ms - 1000) return 0;
     describe_prefix(prefix, where, sizeof where);
     snprintf(buf, len, "never arrived (it is waiting in collective #%llu of %s: every rank must "
              "use the groups in the same order)", seq, where);
@@ -261,7 +276,8 @@ void ddpc_group_describe_missing(DdpcGroup *g, uint64_t seq, char *buf, size_t l
     ddpc_store_set(g->store, key, val, (size_t)n);
     /* Not under the group's prefix: a peer waiting in another group finds it there. */
     snprintf(key, sizeof key, "ddpc/waiting/%d", g->rank);
-    n = snprintf(val, sizeof val, "%s %llu", g->prefix, (unsigned long long)seq);
+    n = snprintf(val, sizeof val, "%s %llu %lld", g->prefix, (unsigned long long)seq,
+                 (long long)wall_ms());
     ddpc_store_set(g->store, key, val, (size_t)DDPC_MIN((size_t)n, sizeof val - 1));
     /* Peers that timed out on the same collective publish within a moment of us. */
     int64_t deadline = ddpc_deadline(2000);
@@ -303,6 +319,17 @@ void ddpc_group_describe_missing(DdpcGroup *g, uint64_t seq, char *buf, size_t l
         }
     }
     if (!used) snprintf(buf, len, "every rank reached it; the transfer itself stalled");
+    atomic_store(&g_waiting_published, 1);
+}
+
+/* This rank goes on after a timeout (it caught the error): a peer that times out later must
+ * not take it for still waiting where it was. */
+static void unpublish_waiting(DdpcGroup *g) {
+    if (!atomic_exchange(&g_waiting_published, 0)) return;
+    char key[64];
+    int deleted = 0;
+    snprintf(key, sizeof key, "ddpc/waiting/%d", g->rank);
+    (void)ddpc_store_delete(g->store, key, &deleted);
 }
 
 /* ---------------------------------------------------------------- work objects */
@@ -340,6 +367,7 @@ static ddpc_status check_args(const DdpcGroup *g, const DdpcCollArgs *a) {
 ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **out) {
     *out = NULL;
     DDPC_CHECK(check_args(g, args));
+    unpublish_waiting(g);
     if (atomic_load(&g->aborted) == 1)
         return ddpc_error(g->abort_status, "the process group was aborted earlier: %s",
                           g->abort_msg);
@@ -372,6 +400,10 @@ uint64_t ddpc_group_deferred_count(DdpcGroup *g) { return atomic_load(&g->n_defe
 
 ddpc_status ddpc_group_wait_posted(DdpcGroup *g) {
     return g->ops->wait_posted ? g->ops->wait_posted(g) : DDPC_OK;
+}
+
+ddpc_status ddpc_group_wait_idle(DdpcGroup *g) {
+    return g->ops->wait_idle ? g->ops->wait_idle(g) : DDPC_OK;
 }
 
 ddpc_status ddpc_group_window_alloc(DdpcGroup *g, size_t bytes, void **out) {

@@ -54,6 +54,8 @@ typedef struct DdpcBackendOps {
     ddpc_status (*window_alloc)(DdpcGroup *g, size_t bytes, void **out);
     /* Optional (nccl): ddpc_group_wait_posted. */
     ddpc_status (*wait_posted)(DdpcGroup *g);
+    /* Optional (cpu): ddpc_group_wait_idle. */
+    ddpc_status (*wait_idle)(DdpcGroup *g);
 } DdpcBackendOps;
 
 struct DdpcGroup {

@@ -571,6 +571,15 @@ static int group_ready(GroupObject *self) {
     return 0;
 }
 
+static PyObject *Group_wait_idle(GroupObject *self, PyObject *unused) {
+    (void)unused;
+    if (!group_ready(self)) return NULL;
+    ddpc_status st;
+    DDPC_NOGIL(st, ddpc_group_wait_idle(self->g));
+    if (st != DDPC_OK) return raise_status(state_of_type(Py_TYPE(self)), st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Group_destroy(GroupObject *self, PyObject *unused) {
     (void)unused;
     group_destroy(self);
@@ -848,6 +857,8 @@ static PyMethodDef Group_methods[] = {
     {"abort", (PyCFunction)Group_abort, METH_VARARGS,
      "abort(why): fail this and every later collective on every rank with this message"},
     {"destroy", (PyCFunction)Group_destroy, METH_NOARGS, "free the group"},
+    {"wait_idle", (PyCFunction)Group_wait_idle, METH_NOARGS,
+     "wait_idle(): every collective posted so far on this rank has finished or failed"},
     {NULL, NULL, 0, NULL},
 };
 

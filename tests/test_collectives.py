@@ -589,6 +589,31 @@ def scenario_groups_in_opposite_order() -> Dict:
 SCENARIOS["groups_in_opposite_order"] = scenario_groups_in_opposite_order
 
 
+def scenario_caught_timeout_then_busy() -> Dict:
+    """Rank 1 times out in a side group, catches it and is busy; rank 0 comes to the default
+    group later and times out: rank 1 is not said to wait in the side group any more."""
+    import ddpc
+    init(timeout=2.0)
+    side = ddpc.new_group(timeout=1.0)
+    out: Dict = {}
+    if ddpc.get_rank() == 1:
+        try:
+            ddpc.all_reduce(np.ones(2), group=side)
+        except ddpc.DistributedTimeoutError:
+            pass
+        time.sleep(9)
+    else:
+        time.sleep(4)  # (rank 1 timed out and published where it waited meanwhile)
+        try:
+            ddpc.all_reduce(np.ones(2))
+        except ddpc.DistributedTimeoutError as e:
+            out["error"] = str(e)
+    return out
+
+
+SCENARIOS["caught_timeout_then_busy"] = scenario_caught_timeout_then_busy
+
+
 def scenario_work_status() -> Dict:
     """Work.is_success: True after a collective that worked, False after one that failed (its
     wait raised); AVG of integers is refused on every rank, and the group goes on."""
@@ -624,10 +649,23 @@ SCENARIOS["work_status"] = scenario_work_status
 def scenario_destroy_unwaited() -> Dict:
     """Async collectives never waited for are finished by destroy_process_group (their arrays
     get the results; they used to be dropped), and one that fails there is a warning."""
+    import gc
     import warnings
+    import weakref
     import ddpc
     init(timeout=10.0)
     rank, world = ddpc.get_rank(), ddpc.get_world_size()
+    # Dropped handles of in-place collectives keep nothing alive once the collectives end.
+    refs = []
+    for _ in range(300):
+        a = np.ones(1 << 12)
+        refs.append(weakref.ref(a))
+        ddpc.all_reduce(a, async_op=True)
+        del a
+    ddpc.barrier()
+    ddpc.all_reduce(np.ones(1), async_op=True)  # (dropping one still running reaps the ended)
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
     x = np.ones(4)
     ddpc.all_reduce(x, async_op=True)
     parts = [np.zeros(2) for _ in range(world)]
@@ -636,12 +674,19 @@ def scenario_destroy_unwaited() -> Dict:
     y = np.full(3, rank + 1.0)
     ddpc.all_reduce(y, group=side, async_op=True)
     ddpc.destroy_process_group(side)
+    other = ddpc.new_group()
+    waited = ddpc.all_reduce(np.ones(2 + rank), group=other, async_op=True)  # counts differ
+    try:
+        waited.wait()  # (failed and waited for: destroy says nothing more about it)
+    except ddpc.DistributedError:
+        pass
     z = np.ones(3 + rank)  # counts differ: it fails, as destroy finishes it
-    ddpc.all_reduce(z, async_op=True)
+    held = ddpc.all_reduce(z, async_op=True)  # (held, never waited for: destroy says it failed)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ddpc.destroy_process_group()
-    return {"x": x.tolist(), "parts": [p.tolist() for p in parts], "y": y.tolist(),
+    del held
+    return {"alive": alive, "x": x.tolist(), "parts": [p.tolist() for p in parts], "y": y.tolist(),
             "warnings": [str(w.message) for w in caught]}
 
 
@@ -816,6 +861,12 @@ def test_groups_used_in_opposite_orders_time_out_naming_the_other_group(tmp_path
         "look at the log of the rank that did not arrive"), results
 
 
+def test_a_rank_that_caught_a_timeout_is_not_said_to_wait_there_still(tmp_path):
+    r0, _ = run_job("caught_timeout_then_busy", 2, tmp_path)
+    assert "rank 1 never arrived (it is not in any collective: busy, hung or stopped)" in \
+        r0["error"], r0
+
+
 def test_work_is_success_after_a_failure_and_avg_of_integers_is_refused(tmp_path):
     for res in run_job("work_status", 2, tmp_path):
         assert res["good"] == [True, True] and res["bad"] == [True, False], res
@@ -830,12 +881,13 @@ def test_work_is_success_after_a_failure_and_avg_of_integers_is_refused(tmp_path
 
 def test_destroy_finishes_async_collectives_nobody_waited_for(tmp_path):
     for res in run_job("destroy_unwaited", 2, tmp_path):
+        assert res["alive"] == 0, res  # (dropped handles of ended collectives hold nothing)
         assert res["x"] == [2.0] * 4 and res["parts"] == [[1.0, 1.0], [2.0, 2.0]], res
         assert res["y"] == [3.0] * 3, res
         assert len(res["warnings"]) == 1, res
         assert res["warnings"][0].startswith(
-            "destroy_process_group: collective #3, started with async_op=True and never waited "
-            "for, failed while the group was being destroyed: all_reduce #3"), res
+            "destroy_process_group: collective #305, started with async_op=True and never waited "
+            "for, failed while the group was being destroyed: all_reduce #305"), res
 
 
 def test_a_mismatch_names_the_call_the_user_made(tmp_path):

@@ -270,8 +270,8 @@ def test_two_processes_claiming_one_rank_are_told_so(twice, tmp_path):
     else:
         assert refused[0][2].startswith(
             f"init_process_group: rank 0 cannot serve the rendezvous store on 127.0.0.1:{port}: a "
-            f"process of this job (it knows the job's token) serves it there already, so two "
-            f"processes claim rank 0."), out
+            f"process that knows this job's token serves it there already, so two processes "
+            f"claim rank 0: two of this job's (give each its own RANK"), out
 
 
 def test_a_rank_with_another_world_size_is_told_so():

@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 import warnings
+import weakref
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from ddpc import _C
@@ -458,9 +459,10 @@ def _serve_store(addr: str, port: int, token: str) -> Any:
             raise e from None  # another program, or another job's store: the bind error says
         raise _C.MismatchError(
             f"init_process_group: rank 0 cannot serve the rendezvous store on {addr}:{port}: a "
-            f"process of this job (it knows the job's token) serves it there already, so two "
-            f"processes claim rank 0. Give each process of the job its own RANK (0 to "
-            f"WORLD_SIZE-1)") from None
+            f"process that knows this job's token serves it there already, so two processes "
+            f"claim rank 0: two of this job's (give each its own RANK, 0 to WORLD_SIZE-1), or "
+            f"another job's started the same way without DDPC_TOKEN (give each job its own "
+            f"MASTER_PORT)") from None
 
 
 def _check_world_size(st: _State, timeout_s: float) -> None:
@@ -620,15 +622,21 @@ def destroy_process_group(group: Any = None) -> None:
 
 
 def _finish_unwaited(groups: set) -> None:
-    """Waits for the async collectives on these groups that nobody waited for (their tensors get
-    their results, as when wait() is called). One that fails is a warning: the group goes."""
-    for w in sorted(_unwaited, key=lambda w: w.seq):
-        if w._group not in groups or w._done:
+    """Before these groups go: the collectives posted on them end first (an async one nobody
+    waited for still lands), and those with a copy into an output list do it. One of those
+    that fails is a warning: the group goes anyway."""
+    for g in groups:
+        try:
+            g.wait_idle()
+        except _C.DistributedError:
+            pass  # (the group is failing already; destroying it is what is left to do)
+    for w in sorted(set(_unwaited) | set(_held), key=lambda w: w.seq):
+        if w._group not in groups or w._done or w._error is not None:
             continue
+        _unwaited.discard(w)
         try:
             w.wait()
         except _C.DistributedError as e:
-            _unwaited.discard(w)
             warnings.warn(f"destroy_process_group: collective #{w.seq}, started with "
                           f"async_op=True and never waited for, failed while the group was "
                           f"being destroyed: {e}", stacklevel=3)
@@ -949,18 +957,20 @@ def _pointer_device(x: Any) -> int:
 # ------------------------------------------------------------------------- collectives
 
 
-# The Works of async collectives not yet waited for, held here even when the caller dropped
-# them: destroy_process_group finishes them first (the other ranks posted them too), so what was
-# given to one gets its result rather than being dropped. Those done and with nothing left to do
-# on the host (no copy into an output list) are let go once there are more than _UNWAITED_PRUNE.
+# The Works of async collectives that still have host work to do when they end (a copy into an
+# output list: all_gather's, gather's, scatter's), held here even when the caller dropped them,
+# until that copy is done: by wait(), by a later async call once the collective has ended, or by
+# destroy_process_group. (One without such a copy needs nothing: the C core holds its buffers
+# until it ends, and destroy_process_group waits for the group to be idle first.)
 _unwaited: set = set()
-_UNWAITED_PRUNE = 256
+# The others, while their caller holds them: destroy_process_group says when one failed.
+_held: "weakref.WeakSet[Work]" = weakref.WeakSet()
 
 
 def _track_unwaited(w: "Work") -> None:
-    if len(_unwaited) >= _UNWAITED_PRUNE:
-        for old in [u for u in _unwaited if u._finish is None and u._work.is_completed()]:
-            _unwaited.discard(old)
+    for old in tuple(_unwaited):  # (a snapshot: other threads may post meanwhile)
+        if old._work.is_completed():
+            old._settle()
     _unwaited.add(w)
 
 
@@ -975,20 +985,36 @@ class Work:
         self._stream = stream
         self._done = False
         self._group = group
-        _track_unwaited(self)
+        self._error: Optional[BaseException] = None  # what _settle's wait raised, for wait()
+        if finish is not None:
+            _track_unwaited(self)
+        else:
+            _held.add(self)
+
+    def _settle(self) -> None:
+        """Finishes an ended collective nobody waited for (its copy into the output list); what
+        it raises is kept for the caller's own wait(), if any."""
+        _unwaited.discard(self)
+        try:
+            self.wait()
+        except Exception as e:  # noqa: BLE001 - re-raised by wait() for whoever waits
+            self._error = e
 
     def wait(self, timeout: Any = None) -> bool:
         """Waits for the collective. On GPU, makes the current CUDA stream wait for it (no host
         sync), like torch's NCCL work. Raises ddpc.DistributedError if it failed. `timeout` is
         accepted for torch compatibility; the deadline is the group's timeout, set at
         init_process_group."""
+        if self._error is not None:
+            raise self._error
+        _unwaited.discard(self)
+        _held.discard(self)
         if self._device_side:
             self._work.wait(_raw_stream(_current_device()), True)
         else:
             self._work.wait()
         if not self._done:
             self._done = True
-            _unwaited.discard(self)
             if self._finish is not None:
                 self._finish()
         return True

@@ -664,7 +664,7 @@ def failure_summary(group: WorkerGroup, first: Worker, who: str = "ddpc.launch",
                      f"{report.get('message')}")
         lines += ["  " + ln for ln in str(report["traceback"]).rstrip("\n").split("\n")]
         lines += ["  " + ln for ln in oom_lines(report, group, first, rank_gpus)]
-    elif first.fatal:
+    elif first.fatal and first.returncode is not None and first.returncode < 0:
         lines.append(f"  rank {first.rank}'s Python stacks at the crash (faulthandler):")
         lines += ["    " + ln for ln in _stack_lines(
             [ln for ln in first.fatal if not ln.startswith("Extension modules:")])]
