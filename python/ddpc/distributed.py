@@ -628,8 +628,8 @@ def _finish_unwaited(groups: set) -> None:
     for g in groups:
         try:
             g.wait_idle()
-        except _C.DistributedError:
-            pass  # (the group is failing already; destroying it is what is left to do)
+        except (_C.DistributedError, ValueError):
+            pass  # (failing or destroyed already: destroying it is what is left to do)
     for w in sorted(set(_unwaited) | set(_held), key=lambda w: w.seq):
         if w._group not in groups or w._done or w._error is not None:
             continue
