@@ -200,7 +200,7 @@ static ddpc_status common_checks(const Coll *x, int slow) {
                           x->name, x->seq, x->rank);
     if (atomic_load(&c->g->aborted) == 1 || slow == 1) DDPC_CHECK(ddpc_group_check_abort(c->g));
     if (ddpc_now_ms() >= x->w->deadline_ms) return timeout_error(x);
-    if (slow) {
+    if (slow && ddpc_group_stall_due(c->g, x->w)) {
         char what[96];
         snprintf(what, sizeof what, "%s #%llu", x->name, x->seq);
         ddpc_group_note_stall(c->g, x->w, what);

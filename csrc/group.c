@@ -193,10 +193,14 @@ static void describe_prefix(const char *prefix, char *buf, size_t len);
  * posts deletes the key. */
 static atomic_int g_waiting_published;
 
+int ddpc_group_stall_due(const DdpcGroup *g, DdpcWork *w) {
+    return g->stall_ms > 0 && !atomic_load(&w->stall_noted) &&
+           ddpc_now_ms() - (w->deadline_ms - g->timeout_ms) >= g->stall_ms;
+}
+
 void ddpc_group_note_stall(DdpcGroup *g, DdpcWork *w, const char *what) {
-    if (g->stall_ms <= 0 || atomic_load(&w->stall_noted)) return;
+    if (!ddpc_group_stall_due(g, w)) return;
     int64_t waited = ddpc_now_ms() - (w->deadline_ms - g->timeout_ms);
-    if (waited < g->stall_ms) return;
     int expected = 0;
     if (!atomic_compare_exchange_strong(&w->stall_noted, &expected, 1)) return;
     char where[160], whom[64];
@@ -325,7 +329,10 @@ void ddpc_group_describe_missing(DdpcGroup *g, uint64_t seq, char *buf, size_t l
 /* This rank goes on after a timeout (it caught the error): a peer that times out later must
  * not take it for still waiting where it was. */
 static void unpublish_waiting(DdpcGroup *g) {
-    if (!atomic_exchange(&g_waiting_published, 0)) return;
+    /* (a load first: every post comes here, and only one after a timeout has work to do) */
+    if (!atomic_load_explicit(&g_waiting_published, memory_order_relaxed) ||
+        !atomic_exchange(&g_waiting_published, 0))
+        return;
     char key[64];
     int deleted = 0;
     snprintf(key, sizeof key, "ddpc/waiting/%d", g->rank);

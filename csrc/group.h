@@ -114,6 +114,8 @@ void ddpc_group_describe_missing(DdpcGroup *g, uint64_t seq, char *buf, size_t l
  * line to stderr saying so (where, for whom, when it gives up), so a stuck job says what it
  * waits for long before its timeout. `what` names the collective ("all_reduce #12"). */
 void ddpc_group_note_stall(DdpcGroup *g, DdpcWork *w, const char *what);
+/* Whether ddpc_group_note_stall would print now (so a caller formats `what` only then). */
+int ddpc_group_stall_due(const DdpcGroup *g, DdpcWork *w);
 
 /* What set this group's timeout, for a hint: "init_process_group" (the default group) or
  * "new_group". */

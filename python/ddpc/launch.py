@@ -964,33 +964,30 @@ TORCHRUN_ONLY = {
 STREAM_CODES = {0: (), 1: ("stdout",), 2: ("stderr",), 3: ("stdout", "stderr")}
 
 
-def _std_spec(flag: str) -> Callable[[str], Any]:
+def _std_spec(text: str) -> Any:
     """torchrun's --redirects / --tee value: 0 (none), 1 (stdout), 2 (stderr) or 3 (both) for
     every local rank, or per local rank as "0:3,1:1" (ranks left out: 0)."""
-    def parse(text: str) -> Any:
-        def code(t: str) -> tuple[str, ...]:
-            t = t.strip()
-            if t not in ("0", "1", "2", "3"):
-                raise argparse.ArgumentTypeError(
-                    f"expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or per local rank "
-                    f"as 0:3,1:1, got {text!r}")
-            return STREAM_CODES[int(t)]
-        if ":" not in text:
-            return code(text)
-        per: dict[int, tuple[str, ...]] = {}
-        for part in text.split(","):
-            rank, sep, value = part.partition(":")
-            try:
-                r = int(rank)
-            except ValueError:
-                r = -1
-            if not sep or r < 0:
-                raise argparse.ArgumentTypeError(
-                    f"expected LOCAL_RANK:CODE pairs such as 0:3,1:1, got {text!r}")
-            per[r] = code(value)
-        return per
-    parse.__name__ = flag  # (argparse names the type in its message)
-    return parse
+    def code(t: str) -> tuple[str, ...]:
+        t = t.strip()
+        if t not in ("0", "1", "2", "3"):
+            raise argparse.ArgumentTypeError(
+                f"expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or per local rank as "
+                f"0:3,1:1, got {text!r}")
+        return STREAM_CODES[int(t)]
+    if ":" not in text:
+        return code(text)
+    per: dict[int, tuple[str, ...]] = {}
+    for part in text.split(","):
+        rank, sep, value = part.partition(":")
+        try:
+            r = int(rank)
+        except ValueError:
+            r = -1
+        if not sep or r < 0:
+            raise argparse.ArgumentTypeError(
+                f"expected LOCAL_RANK:CODE pairs such as 0:3,1:1, got {text!r}")
+        per[r] = code(value)
+    return per
 
 
 def _ranks_filter(text: str) -> tuple[int, ...]:
@@ -1102,11 +1099,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None, metavar="0,2", help="show only these local ranks' output on "
                    "the console, as torchrun's flag does (the --log-dir files and a failure's "
                    "summary still have every rank's)")
-    p.add_argument("-r", "--redirects", type=_std_spec("--redirects"), default=None,
+    p.add_argument("-r", "--redirects", type=_std_spec, default=None,
                    metavar="0-3|R:C,..", help="as torchrun: send 1 stdout, 2 stderr, 3 both of "
                    "every rank (or per local rank: 0:3,1:1) to the log files only, not the "
                    "console; without --log-dir, to a new temporary directory (printed)")
-    p.add_argument("-t", "--tee", type=_std_spec("--tee"), default=None, metavar="0-3|R:C,..",
+    p.add_argument("-t", "--tee", type=_std_spec, default=None, metavar="0-3|R:C,..",
                    help="as torchrun: write the output to log files as well as the console. "
                    "ddpc writes both streams of every rank to the files once there is a log "
                    "directory (--log-dir, else a new temporary one, printed)")
