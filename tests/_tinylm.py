@@ -2,6 +2,7 @@
 F.scaled_dot_product_attention, GELU MLP) with a cross-entropy loss, and one batch for it, of
 any size: what ddpc.plan's activation count is checked against, on the CPU (tests/test_plan.py,
 small) and on a GPU (tests/test_gpu_wrap_model.py, GPT-2's size)."""
+import contextlib
 import os
 import sys
 from typing import Any, Callable, Tuple
@@ -35,18 +36,49 @@ def make(vocab: int = 1000, width: int = 128, heads: int = 4, layers: int = 3, b
 build, batch = make()  # (for `python -m ddpc.plan --model _tinylm:build --batch _tinylm:batch`)
 
 
-def saved_bytes(model: torch.nn.Module, inputs: dict) -> Tuple[int, int, Any]:
-    """What autograd saves in a real forward (not the parameters), plus the loss, as ddpc.plan
-    counts them on the meta device: (bytes, the largest, the loss)."""
+_VIEWS = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+          "ExpandBackward0", "AliasBackward0"}
+
+
+def weight_copy(t: torch.Tensor) -> bool:
+    """Whether t is autocast's cast of a parameter (or a view of such a cast, or a cast of a
+    view of one): plan counts those as autocast's weight copies. Its grad_fn leads, through
+    views and at least one cast alone, to a parameter."""
+    fn, cast = t.grad_fn, False
+    while fn is not None:
+        name = type(fn).__name__
+        if name == "AccumulateGrad":
+            return cast
+        if name == "ToCopyBackward0":
+            cast = True
+        elif name not in _VIEWS:
+            return False
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if len(nxt) != 1:
+            return False
+        fn = nxt[0]
+    return False
+
+
+def saved_bytes(model: torch.nn.Module, inputs: dict,
+                autocast: Any = None) -> Tuple[int, int, Any]:
+    """What autograd saves in a real forward (not the parameters, nor autocast's copies of them),
+    plus the loss, as ddpc.plan counts them on the meta device: (bytes, the largest, the loss).
+    With autocast (a dtype), the forward runs under CUDA autocast to it."""
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
-    got = {}
+    got, copies = {}, set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
-        if st._cdata not in weights:
+        if weight_copy(t):
+            copies.add(st._cdata)
+        elif st._cdata not in weights:
             got[st._cdata] = st.nbytes()
         return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    cast = contextlib.nullcontext() if autocast is None else torch.autocast("cuda", autocast)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
         loss = model(**inputs)
     got[loss.untyped_storage()._cdata] = loss.untyped_storage().nbytes()
+    for k in copies:
+        got.pop(k, None)
     return sum(got.values()), max(got.values()), loss

@@ -1332,22 +1332,24 @@ if __name__ == "__main__":
 
 
 _PLAN_ACTIVATIONS = r"""
-import json, sys, torch
+import contextlib, json, sys, torch
 sys.path.insert(0, sys.argv[1])
 import _tinylm
 from ddpc import plan
-# GPT-2's shape (12 layers, width 768, vocabulary 50304) at 8 x 1024 tokens, float32
+autocast = torch.bfloat16 if sys.argv[2] == "bf16" else None
+# GPT-2's shape (12 layers, width 768, vocabulary 50304) at 8 x 1024 tokens, float32 weights
 build, batch = _tinylm.make(vocab=50304, width=768, heads=12, layers=12, batch=8, seq=1024)
 with torch.device("meta"):
     meta = build()
-saved, largest = plan.activation_bytes(meta, batch)
+saved, largest = plan.activation_bytes(meta, batch, autocast)
 rows = {r.name: r for r in plan.estimate(plan.module_params(meta), 1, "adamw",
+                                         autocast=autocast is not None,
                                          activations=plan.activation_peak(saved, largest))}
 torch.manual_seed(0)
 model = build().cuda()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 inputs = {k: v.cuda() for k, v in batch().items()}
-real, real_largest, loss = _tinylm.saved_bytes(model, inputs)
+real, real_largest, loss = _tinylm.saved_bytes(model, inputs, autocast)
 loss.backward()
 opt.step()
 opt.zero_grad(set_to_none=True)
@@ -1355,7 +1357,10 @@ del loss
 torch.cuda.synchronize()
 torch.cuda.reset_peak_memory_stats()
 for _ in range(2):
-    model(**inputs).backward()
+    with (torch.autocast("cuda", autocast) if autocast else contextlib.nullcontext()):
+        loss = model(**inputs)
+    loss.backward()
+    del loss
     opt.step()
     opt.zero_grad(set_to_none=True)
 torch.cuda.synchronize()
@@ -1367,16 +1372,17 @@ print(json.dumps({"saved": saved, "largest": largest, "real": real,
 
 @pytest.mark.skipif(not _gpus_ready(1), reason="needs a CUDA build of ddpc, a GPU and torch "
                                                 "with CUDA")
-def test_plan_counts_the_activations_a_gpu_step_holds():
+@pytest.mark.parametrize("dtype", ["float32", "bf16"])
+def test_plan_counts_the_activations_a_gpu_step_holds(dtype):
     """ddpc.plan --batch counts a forward's activations on the meta device, with attention as
-    CUDA's fused kernels save it: on the GPU, what autograd saves is that, and a step's peak
-    memory is the plan's total for one GPU, within 5% (the allocator's rounding, cuBLAS's
-    workspace)."""
+    CUDA's fused kernels save it and, for bf16, with the casts CUDA autocast makes: on the GPU,
+    what autograd saves is that, and a step's peak memory is the plan's total for one GPU,
+    within 5% (the allocator's rounding, cuBLAS's workspace)."""
     import json
     import subprocess
     tests = os.path.dirname(os.path.abspath(__file__))
-    res = subprocess.run([sys.executable, "-c", _PLAN_ACTIVATIONS, tests], capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", _PLAN_ACTIVATIONS, tests, dtype],
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])
     print(r)

@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ddpc import plan
 
@@ -117,6 +118,75 @@ def test_activations_counted_on_the_meta_device_are_what_a_real_forward_saves():
     # The score matrices attention's math path would save (3 layers x 4 x 4 heads x 256 x 256
     # float32, twice) are not counted: CUDA's fused kernels do not keep them.
     assert saved < real + 3 * 16 * 256 * 256 * 4
+
+
+class AutocastShaped(torch.nn.Module):
+    """A block of the ops CUDA autocast treats differently (16-bit: linear, matmul, attention;
+    float32: layer_norm, softmax, cross_entropy; the widest: cat), with a tied, transposed
+    weight. explicit=True runs it with the casts CUDA autocast makes written out, so that a CPU
+    can run what autocast would save."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(40, 16)
+        self.up = torch.nn.Linear(16, 32)
+        self.ln = torch.nn.LayerNorm(32)
+        self.down = torch.nn.Linear(32, 16, bias=False)
+        self.explicit = False
+
+    def forward(self, ids, labels):
+        bf, f32 = torch.bfloat16, torch.float32
+        cast = (lambda t, d: t.to(d)) if self.explicit else (lambda t, d: t)
+        x = self.emb(ids)                                                  # float32
+        h = F.linear(cast(x, bf), cast(self.up.weight, bf), cast(self.up.bias, bf))
+        h = F.gelu(h)                                                      # stays bf16
+        h = self.ln(cast(h, f32))                                          # float32
+        q = h.view(2, 4, -1, 8)
+        # (the attention's output is only cast: on the CPU it is laid out otherwise than in
+        # CUDA's kernels, so a view of it could be a copy in one and not in the other)
+        a = F.scaled_dot_product_attention(cast(q, bf), cast(q, bf), cast(q, bf),
+                                           is_causal=True).reshape(h.shape)
+        s = torch.softmax(cast(cast(h, bf) @ cast(h.transpose(-1, -2), bf), f32), -1)
+        h = torch.cat([cast(a, f32), h], -1) + s.sum(-1, keepdim=True)     # float32
+        h = F.linear(cast(h[..., :32], bf), cast(self.down.weight, bf))
+        logits = cast(h, bf) @ cast(self.emb.weight.t(), bf)
+        return F.cross_entropy(cast(logits, f32).view(-1, 40), labels.view(-1))
+
+
+def _autocast_batch():
+    ids = torch.randint(0, 40, (2, 64))
+    return {"ids": ids, "labels": ids}
+
+
+def test_activations_under_autocast_are_counted_as_cuda_autocast_saves_them():
+    """activation_bytes(..., autocast=bf16) runs the forward on the meta device as CUDA autocast
+    would: on the CPU, the same block with autocast's casts written out saves those bytes (the
+    weights' casts not counted: plan's autocast column holds them), fewer than without
+    autocast. On a GPU, test_gpu_wrap_model.py checks it against CUDA autocast itself."""
+    import _tinylm
+    with torch.device("meta"):
+        model = AutocastShaped()
+    saved, largest = plan.activation_bytes(model, _autocast_batch, torch.bfloat16)
+    full, _ = plan.activation_bytes(model, _autocast_batch)
+    torch.manual_seed(0)
+    real_model = AutocastShaped()
+    real_model.explicit = True
+    real, real_largest, _ = _tinylm.saved_bytes(real_model, _autocast_batch())
+    # (a few bytes: the meta kernel's random seed and offset and such scalars)
+    assert abs(saved - real) <= 64 and largest == real_largest, (saved, real, largest,
+                                                                  real_largest)
+    assert saved < full * 0.9, (saved, full)
+    # The casts of up.weight, down.weight and emb.weight.t() were saved for backward and are
+    # not counted.
+    casts = {}
+
+    def pack(t):
+        if _tinylm.weight_copy(t):
+            casts[t.untyped_storage()._cdata] = t.numel()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        real_model(**_autocast_batch())
+    assert sorted(casts.values()) == [512, 512, 640], casts
 
 
 def test_a_batch_adds_its_activations_to_the_table(tmp_path):

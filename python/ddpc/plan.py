@@ -14,6 +14,7 @@ device (no memory) and the tensors autograd saves for backward are counted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import math
@@ -115,11 +116,12 @@ def _loss_of(out: Any) -> Any:
     raise ValueError(f"the forward returned {type(out).__name__}, with no tensor in it")
 
 
-def _fused_attention(original: Any) -> Any:
+def _fused_attention(original: Any, autocast: Any = None) -> Any:
     """F.scaled_dot_product_attention as a GPU runs it, for a forward on the meta device: there
     it would take the math path, which saves every (query, key) score matrix for backward,
     where CUDA's fused kernels (flash, memory-efficient) save only the inputs, the output and
-    one number per query row. The memory-efficient kernel's meta version stands in."""
+    one number per query row. The memory-efficient kernel's meta version stands in. With
+    `autocast` (a dtype), float32 inputs are cast to it first, as CUDA autocast does."""
     import torch
 
     def attention(query: Any, key: Any, value: Any, attn_mask: Any = None,
@@ -128,6 +130,11 @@ def _fused_attention(original: Any) -> Any:
         if query.device.type != "meta" or query.dim() != 4:
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if autocast is not None:
+            query, key, value = (t.to(autocast) if t.dtype == torch.float32 else t
+                                 for t in (query, key, value))
+            if attn_mask is not None and attn_mask.dtype == torch.float32:
+                attn_mask = attn_mask.to(autocast)
         if enable_gqa and key.shape[1] != query.shape[1]:
             groups = query.shape[1] // key.shape[1]
             key = key.repeat_interleave(groups, dim=1)
@@ -142,13 +149,91 @@ def _fused_attention(original: Any) -> Any:
     return attention
 
 
-def activation_bytes(model: Any, batch: Any) -> Tuple[int, int]:
+# CUDA autocast's op lists (torch's autocast_mode.cpp and its docs' "Autocast Op Reference"), by
+# the name of the Python-level function or method a model calls: those that run in the 16-bit
+# dtype, those that run in float32, and those that run in the widest dtype among their inputs.
+_AUTOCAST_LOW = frozenset(
+    "linear matmul __matmul__ __rmatmul__ mm mv bmm baddbmm addmm addmv addr addbmm einsum "
+    "chain_matmul multi_dot linalg_multi_dot linalg_vecdot conv1d conv2d conv3d conv_tbc "
+    "conv_transpose1d conv_transpose2d conv_transpose3d prelu lstm_cell gru_cell rnn_tanh_cell "
+    "rnn_relu_cell scaled_dot_product_attention".split())
+_AUTOCAST_FP32 = frozenset(
+    "__pow__ __rpow__ __rdiv__ __rtruediv__ pow acos asin cosh sinh tan erfinv exp expm1 log "
+    "log10 log2 log1p reciprocal rsqrt softplus layer_norm group_norm norm normalize "
+    "frobenius_norm nuclear_norm cosine_similarity poisson_nll_loss cosine_embedding_loss "
+    "nll_loss hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss mse_loss "
+    "margin_ranking_loss multilabel_margin_loss soft_margin_loss triplet_margin_loss "
+    "multi_margin_loss binary_cross_entropy_with_logits cross_entropy dist pdist cdist renorm "
+    "logsumexp softmax softmin log_softmax cumprod cumsum prod sum".split())
+_AUTOCAST_PROMOTE = frozenset(
+    "addcdiv addcmul atan2 bilinear cross dot grid_sample index_put scatter_add tensordot cat "
+    "stack".split())
+
+
+def _meta_autocast(dtype: Any, weight_copies: list) -> Any:
+    """A mode that runs a forward on the meta device as CUDA autocast would (the meta device
+    has no autocast of its own): the float32 inputs of its 16-bit ops cast to `dtype`, of its
+    float32 ops to float32, of its promoting ops to their widest. A parameter's cast is made once
+    per forward (autocast caches those); each cast of a parameter or of a view of one goes into
+    the list `weight_copies`: plan counts those as autocast's weight copies, not as
+    activations."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class MetaAutocast(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cache: dict = {}
+
+        def cast(self, x: Any, to: Any) -> Any:
+            if isinstance(x, (list, tuple)):
+                return type(x)(self.cast(v, to) for v in x)
+            if not (isinstance(x, torch.Tensor) and x.is_floating_point()
+                    and x.dtype != torch.float64 and x.dtype != to):
+                return x
+            leaf = x.is_leaf and x.requires_grad
+            if leaf and (id(x), to) in self.cache:
+                return self.cache[(id(x), to)][1]
+            y = x.to(to)
+            base = x if x._base is None else x._base
+            if isinstance(base, torch.nn.Parameter):
+                weight_copies.append(y)
+            if leaf:
+                self.cache[(id(x), to)] = (x, y)  # (x kept alive: its id stays its own)
+            return y
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            name = getattr(func, "__name__", "")
+            to = None
+            if name in _AUTOCAST_LOW:
+                to = dtype
+            elif name in _AUTOCAST_FP32 and "dtype" not in kwargs:
+                to = torch.float32
+            elif name in _AUTOCAST_PROMOTE:
+                flat = [a for v in list(args) + list(kwargs.values())
+                        for a in (v if isinstance(v, (list, tuple)) else [v])
+                        if isinstance(a, torch.Tensor) and a.is_floating_point()]
+                if len({a.dtype for a in flat}) > 1:
+                    to = torch.promote_types(*{a.dtype for a in flat}) if len(flat) == 2 else \
+                        max((a.dtype for a in flat), key=lambda d: torch.finfo(d).bits)
+            if to is not None:
+                args = tuple(self.cast(a, to) for a in args)
+                kwargs = {k: self.cast(v, to) for k, v in kwargs.items()}
+            return func(*args, **kwargs)
+    return MetaAutocast()
+
+
+def activation_bytes(model: Any, batch: Any, autocast: Any = None) -> Tuple[int, int]:
     """(bytes autograd saves for backward, the largest of them) for one forward of `model` (on
     the meta device) on the input that `batch` returns (a function, or `pkg.module:function`;
     called on the meta device: a tensor, a tuple of positional inputs, or a dict of keyword
     inputs). Attention (F.scaled_dot_product_attention) is counted as CUDA's fused kernels save
     it. The parameters and buffers are not counted (they are weights); the output and the loss
-    are."""
+    are. With `autocast` (torch.bfloat16 or torch.float16) the forward runs as under CUDA
+    autocast to that dtype; its casts of the weights are not counted either (plan's autocast
+    column holds them)."""
     import torch
     spec = batch if isinstance(batch, str) else getattr(batch, "__name__", "batch")
     factory = batch if callable(batch) else _factory(
@@ -169,6 +254,7 @@ def activation_bytes(model: Any, batch: Any) -> Tuple[int, int]:
 
     weights = {key(t)[0] for t in list(model.parameters()) + list(model.buffers())}
     saved: dict = {}
+    copies: list = []  # autocast's casts of the weights
 
     def pack(t: Any) -> Any:
         k, n = key(t)
@@ -184,9 +270,12 @@ def activation_bytes(model: Any, batch: Any) -> Tuple[int, int]:
         args, kwargs = (batch,), {}
     functional = torch.nn.functional
     original = functional.scaled_dot_product_attention
-    functional.scaled_dot_product_attention = _fused_attention(original)
+    functional.scaled_dot_product_attention = _fused_attention(original, autocast)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+            if autocast is not None:
+                stack.enter_context(_meta_autocast(autocast, copies))
             out = model(*args, **kwargs)
             loss = _loss_of(out)
     except Exception as e:  # noqa: BLE001 - the user's model, on the meta device
@@ -201,6 +290,8 @@ def activation_bytes(model: Any, batch: Any) -> Tuple[int, int]:
             k, n = key(t)
             if k not in weights:
                 saved[k] = n
+    for t in copies:
+        saved.pop(key(t)[0], None)
     return sum(saved.values()), max(saved.values(), default=0)
 
 
@@ -355,7 +446,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="GPUs to train on (default: those visible, at least 1)")
     ap.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
     ap.add_argument("--autocast", action="store_true",
-                    help="count autocast's 16-bit copies of the weights (bf16/fp16 autocast)")
+                    help="training under bf16/fp16 autocast: count its 16-bit copies of the "
+                         "weights, and with --batch, the activations as autocast saves them")
     ap.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                     help="memory per GPU to plan for (default: the least free memory of the GPUs "
                          "used, from nvidia-smi)")
@@ -371,13 +463,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             model = build_on_meta(args.model)
             if args.batch is not None:
-                saved, largest = activation_bytes(model, args.batch)
+                import torch
+                saved, largest = activation_bytes(model, args.batch,
+                                                  torch.bfloat16 if args.autocast else None)
                 activations = float(activation_peak(saved, largest))
-                act_note = (f"; activations of {args.batch}: {saved / GIB:.2f} GiB saved for "
-                            f"backward, the largest {largest / GIB:.2f} GiB")
-                if args.autocast:
-                    act_note += (" (counted as the model computes without autocast: bf16/fp16 "
-                                 "autocast saves most of them in 16 bits, so fewer)")
+                act_note = (f"; activations of {args.batch}"
+                            f"{' under bf16/fp16 autocast' if args.autocast else ''}: "
+                            f"{saved / GIB:.2f} GiB saved for backward, the largest "
+                            f"{largest / GIB:.2f} GiB")
         except ValueError as e:
             ap.error(str(e))
         params = module_params(model)
