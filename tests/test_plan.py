@@ -122,9 +122,9 @@ def test_activations_counted_on_the_meta_device_are_what_a_real_forward_saves():
 
 class AutocastShaped(torch.nn.Module):
     """A block of the ops CUDA autocast treats differently (16-bit: linear, matmul, attention;
-    float32: layer_norm, softmax, cross_entropy; the widest: cat), with a tied, transposed
-    weight. explicit=True runs it with the casts CUDA autocast makes written out, so that a CPU
-    can run what autocast would save."""
+    float32: layer_norm, softmax, nll_loss; the widest: cat; cross_entropy), with a tied,
+    transposed weight. explicit=True runs it with the casts CUDA autocast makes written out, so
+    that a CPU can run what autocast would save."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -149,8 +149,10 @@ class AutocastShaped(torch.nn.Module):
         s = torch.softmax(cast(cast(h, bf) @ cast(h.transpose(-1, -2), bf), f32), -1)
         h = torch.cat([cast(a, f32), h], -1) + s.sum(-1, keepdim=True)     # float32
         h = F.linear(cast(h[..., :32], bf), cast(self.down.weight, bf))
-        logits = cast(h, bf) @ cast(self.emb.weight.t(), bf)
-        return F.cross_entropy(cast(logits, f32).view(-1, 40), labels.view(-1))
+        logits = (cast(h, bf) @ cast(self.emb.weight.t(), bf)).view(-1, 40)
+        if self.explicit:  # (CUDA autocast's cross_entropy: its parts, as an H200 runs them)
+            return F.nll_loss(torch.log_softmax(logits, 1).float(), labels.view(-1))
+        return F.cross_entropy(logits, labels.view(-1))
 
 
 def _autocast_batch():
@@ -175,7 +177,7 @@ def test_activations_under_autocast_are_counted_as_cuda_autocast_saves_them():
     # (a few bytes: the meta kernel's random seed and offset and such scalars)
     assert abs(saved - real) <= 64 and largest == real_largest, (saved, real, largest,
                                                                   real_largest)
-    assert saved < full * 0.9, (saved, full)
+    assert saved < full, (saved, full)
     # The casts of up.weight, down.weight and emb.weight.t() were saved for backward and are
     # not counted.
     casts = {}
@@ -200,6 +202,12 @@ def test_a_batch_adds_its_activations_to_the_table(tmp_path):
                                            "optimizer", "autocast", "activations", "total",
                                            "left"], out
     assert "verdict: this batch does not fit with any of these" in out, out
+    res = run_plan(["--model", "_tinylm:build", "--batch", "_tinylm:batch", "--nproc", "1",
+                    "--gpu-memory", "0.03", "--autocast"], os.path.join(ROOT, "tests"))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("_tinylm:build: 0.8M parameters (0.8M trainable), 32-bit; "
+                                 "activations of _tinylm:batch under bf16/fp16 autocast: 0.02 "
+                                 "GiB saved for backward"), res.stdout
     res = run_plan(["--params", "1B", "--batch", "_tinylm:batch"], os.path.join(ROOT, "tests"))
     assert res.returncode == 2 and "argument --batch: needs --model" in res.stderr, res.stderr
     res = run_plan(["--model", "_tinylm:build", "--batch", "os:getcwd"],
