@@ -725,6 +725,10 @@ def scenario_named_mismatch() -> Dict:
             call(ddpc.new_group())
         except ddpc.MismatchError as e:
             out[key] = str(e)
+    try:
+        ddpc.gather_object(rank, [None, None], dst=rank, group=ddpc.new_group())
+    except ddpc.MismatchError as e:
+        out["gather_object"] = str(e)
     return out
 
 
@@ -908,6 +912,9 @@ def test_a_mismatch_names_the_call_the_user_made(tmp_path):
         assert r["gather"].startswith("gather: ") and (
             "all_gather #1: rank 0 called all_gather(count=2, dtype=float64) but rank 1 called "
             "all_gather(count=2, dtype=float64, for dst=1).") in r["gather"], r
+        assert r["gather_object"] == ("gather_object: the ranks disagree on dst (rank(s) 0 "
+                                      "passed dst=0; rank(s) 1 passed dst=1): pass the same dst "
+                                      "on every rank"), r
 
 
 def test_gather_and_scatter_of_torch_tensors_keep_shapes_and_work_async(world_one):

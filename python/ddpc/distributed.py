@@ -1440,16 +1440,27 @@ def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None, dst:
     (torch.distributed.gather_object). Built on all_gather_object: meant for small objects."""
     g = _group(group)
     _check_rank(g, dst, "dst", "gather_object")
-    if g.rank == dst and (not isinstance(object_gather_list, list) or
-                          len(object_gather_list) != g.world_size):
-        # Still take part, so the other ranks are not left waiting, then say what was wrong.
-        all_gather_object([None] * g.world_size, obj, group)
+    bad = g.rank == dst and (not isinstance(object_gather_list, list) or
+                             len(object_gather_list) != g.world_size)
+    # Each rank's dst travels with its object, so that ranks naming different dst all say so
+    # (each would otherwise take itself, or no one, for dst). A bad list still takes part, so
+    # that the other ranks are not left waiting.
+    got: List[Any] = [None] * g.world_size
+    all_gather_object(got, (dst, None if bad else obj), group)
+    dsts = [d for d, _ in got]
+    if len(set(dsts)) > 1:
+        by = {}
+        for r, d in enumerate(dsts):
+            by.setdefault(d, []).append(r)
+        said = "; ".join(f"rank(s) {', '.join(map(str, rs))} passed dst={d}"
+                         for d, rs in by.items())
+        raise _C.MismatchError(f"gather_object: the ranks disagree on dst ({said}): pass the "
+                               f"same dst on every rank")
+    if bad:
         raise ValueError(f"gather_object: rank {dst} (dst) must pass object_gather_list, a list "
                          f"of world_size={g.world_size} entries")
-    got = [None] * g.world_size
-    all_gather_object(got, obj, group)
     if g.rank == dst:
-        object_gather_list[:] = got
+        object_gather_list[:] = [o for _, o in got]
 
 
 @_named("scatter_object_list")
