@@ -1341,10 +1341,10 @@ autocast = torch.bfloat16 if sys.argv[2] == "bf16" else None
 build, batch = _tinylm.make(vocab=50304, width=768, heads=12, layers=12, batch=8, seq=1024)
 with torch.device("meta"):
     meta = build()
-saved, largest = plan.activation_bytes(meta, batch, autocast)
+saved, largest, peak = plan.activation_bytes(meta, batch, autocast)
 rows = {r.name: r for r in plan.estimate(plan.module_params(meta), 1, "adamw",
                                          autocast=autocast is not None,
-                                         activations=plan.activation_peak(saved, largest))}
+                                         activations=peak)}
 torch.manual_seed(0)
 model = build().cuda()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

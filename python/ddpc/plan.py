@@ -21,7 +21,7 @@ import math
 import os
 import re
 import sys
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 GIB = float(1 << 30)
 
@@ -40,7 +40,7 @@ class Row:
     optimizer: float
     autocast: float    # the 16-bit copies of the weights autocast keeps during a forward
     note: str = ""
-    activations: float = 0.0  # with --batch: activation_peak
+    activations: float = 0.0  # with --batch: Activations.peak
 
     @property
     def states(self) -> float:
@@ -246,9 +246,9 @@ def _meta_autocast(dtype: Any, weight_copies: list) -> Any:
     return MetaAutocast()
 
 
-def activation_bytes(model: Any, batch: Any, autocast: Any = None) -> Tuple[int, int]:
-    """(bytes autograd saves for backward, the largest of them) for one forward of `model` (on
-    the meta device) on the input that `batch` returns (a function, or `pkg.module:function`;
+def activation_bytes(model: Any, batch: Any, autocast: Any = None) -> "Activations":
+    """Activations(bytes autograd saves for backward, the largest of them, the peak of backward)
+    for one forward of `model` (on the meta device) on the input that `batch` returns (a function, or `pkg.module:function`;
     called on the meta device: a tensor, a tuple of positional inputs, or a dict of keyword
     inputs). Attention (F.scaled_dot_product_attention) is counted as CUDA's fused kernels save
     it. The parameters and buffers are not counted (they are weights); the output and the loss
@@ -306,22 +306,106 @@ def activation_bytes(model: Any, batch: Any, autocast: Any = None) -> Tuple[int,
         functional.scaled_dot_product_attention = original
     # The output (held by the caller until backward) and the loss count too.
     held = list(out) if isinstance(out, (tuple, list)) else [getattr(out, "logits", out)]
+    kept = set()
     for t in held + [loss]:
         if isinstance(t, torch.Tensor):
             k, n = key(t)
             if k not in weights:
                 saved[k] = n
-    for t in copies:
-        saved.pop(key(t)[0], None)
-    return sum(saved.values()), max(saved.values(), default=0)
+                kept.add(k)
+    for k in weights | {key(t)[0] for t in copies}:
+        saved.pop(k, None)
+    return Activations(sum(saved.values()), max(saved.values(), default=0),
+                       _backward_peak(loss, saved, kept, key))
 
 
-def activation_peak(saved: int, largest: int) -> int:
-    """The activations' part of the peak, from activation_bytes: all that is saved, and, while
-    backward goes through the op of the largest (a language model's logits, at the loss), the
-    gradient into that op and the one out of it, each its size. (A GPT-2-sized step on an H200
-    peaked 17% above the saved bytes plus one such gradient; with two, within 1%.)"""
-    return saved + 2 * largest
+class Activations(NamedTuple):
+    """What activation_bytes counts, in bytes."""
+    saved: int    # what autograd saves for backward, with the output and the loss
+    largest: int  # the largest of those
+    peak: int     # the most held at once in backward: what is saved and not yet released, the
+    #               gradients on their way, and the parameters' gradients made so far
+
+
+def _backward_peak(loss: Any, saved: dict, kept: set, key: Any) -> int:
+    """Runs backward from `loss` without computing it: the nodes of its autograd graph in the
+    order autograd's engine takes them (the ready one of the highest sequence number first).
+    Each node makes its inputs' gradients (their sizes from the graph's metadata) while the
+    gradient into it is still held; then that one is freed (a parameter's becomes its .grad and
+    stays), and so are the tensors it saved that no node still to run saved too. `saved`
+    {storage: bytes} is what is held at the start; what no node names, and `kept` (the output
+    and the loss, which the caller holds), stay to the end."""
+    import heapq
+    root = getattr(loss, "grad_fn", None)
+    if root is None:
+        return sum(saved.values())
+    deps: dict = {}
+    seen, stack = {root}, [root]
+    while stack:
+        fn = stack.pop()
+        for nxt, _ in fn.next_functions:
+            if nxt is not None:
+                deps[nxt] = deps.get(nxt, 0) + 1
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+    refs = dict.fromkeys(saved, 1)  # (the storages no node names: held to the end)
+    named = set()
+    saved_by = {}
+    for fn in seen:
+        ks = {k for k in (key(t)[0] for t in _saved_tensors(fn)) if k in saved}
+        saved_by[fn] = ks
+        named |= ks
+        for k in ks:
+            refs[k] += 1
+    for k in named - kept:
+        refs[k] -= 1
+
+    def grad_bytes(meta: Any) -> int:
+        return math.prod(meta.shape) * meta.dtype.itemsize
+
+    slots = {(root, i): grad_bytes(m) for i, m in enumerate(root._input_metadata)}
+    live = sum(saved.values()) + sum(slots.values())
+    peak = live
+    ready = [(-root._sequence_nr(), 0, root)]
+    tie = 1
+    while ready:
+        fn = heapq.heappop(ready)[2]
+        for nxt, i in fn.next_functions:
+            if nxt is not None and (nxt, i) not in slots:
+                slots[(nxt, i)] = grad_bytes(nxt._input_metadata[i])
+                live += slots[(nxt, i)]
+        peak = max(peak, live)
+        if type(fn).__name__ != "AccumulateGrad":
+            live -= sum(slots.get((fn, i), 0) for i in range(len(fn._input_metadata)))
+        for k in saved_by.get(fn, ()):
+            refs[k] -= 1
+            if refs[k] == 0:
+                live -= saved[k]
+        for nxt, _ in fn.next_functions:
+            if nxt is not None:
+                deps[nxt] -= 1
+                if deps[nxt] == 0:
+                    heapq.heappush(ready, (-nxt._sequence_nr(), tie, nxt))
+                    tie += 1
+    return peak
+
+
+def _saved_tensors(fn: Any) -> List[Any]:
+    """The tensors an autograd node saved: its _saved_* attributes (a built-in op's) or its
+    saved_tensors (an autograd.Function's)."""
+    import torch
+    found = []
+    names = [n for n in dir(fn) if n.startswith("_saved_")] + ["saved_tensors"]
+    for name in names:
+        try:
+            v = getattr(fn, name, None)
+        except (RuntimeError, AttributeError):  # (released, or none of that kind)
+            continue
+        for t in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(t, torch.Tensor):
+                found.append(t)
+    return found
 
 
 def _factory(spec: str, flag: str, does: str) -> Any:
@@ -485,9 +569,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             model = build_on_meta(args.model)
             if args.batch is not None:
                 import torch
-                saved, largest = activation_bytes(model, args.batch,
-                                                  torch.bfloat16 if args.autocast else None)
-                activations = float(activation_peak(saved, largest))
+                saved, largest, peak = activation_bytes(
+                    model, args.batch, torch.bfloat16 if args.autocast else None)
+                activations = float(peak)
                 act_note = (f"; activations of {args.batch}"
                             f"{' under bf16/fp16 autocast' if args.autocast else ''}: "
                             f"{saved / GIB:.2f} GiB saved for backward, the largest "
