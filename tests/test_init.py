@@ -75,6 +75,50 @@ def test_env_torchrun_variables():
     assert sorted(r[3] for r in res) == [0, 1]
 
 
+_UNDER_TORCHRUN = """
+import os, sys
+import numpy as np
+import ddpc
+rank = int(os.environ["RANK"])
+if sys.argv[1] == "rank0_absent" and rank == 0:
+    sys.exit(0)
+for attempt in range(2):  # (a second group after destroy: a store of its own)
+    ddpc.init_process_group(timeout=float(sys.argv[2]))
+    x = np.full(3, ddpc.get_rank() + 1.0)
+    ddpc.all_reduce(x)
+    print(f"rank {ddpc.get_rank()} of {ddpc.get_world_size()}: {x.tolist()}", flush=True)
+    ddpc.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("how", [["--standalone"], ["--rdzv-backend", "c10d", "--rdzv-endpoint"]])
+def test_a_job_started_by_real_torchrun(tmp_path, how):
+    """torchrun's agent serves its own store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True):
+    rank 0 serves ddpc's on a port of its own and publishes it there (it used to fail with
+    "Address already in use"). A rank 0 that never calls init_process_group leaves the others
+    a timeout that says what they waited for."""
+    import subprocess
+    script = tmp_path / "job.py"
+    script.write_text(_UNDER_TORCHRUN)
+    if how[-1] == "--rdzv-endpoint":
+        how = how + [f"127.0.0.1:{free_port()}"]
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *how]
+    res = subprocess.run(cmd + [str(script), "normal", "30"], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = sorted(ln for ln in res.stdout.splitlines() if ln.startswith("rank "))
+    assert lines == ["rank 0 of 2: [3.0, 3.0, 3.0]"] * 2 + ["rank 1 of 2: [3.0, 3.0, 3.0]"] * 2, \
+        res.stdout
+    if how[0] != "--standalone":
+        return
+    res = subprocess.run(cmd + [str(script), "rank0_absent", "3"], capture_output=True,
+                         text=True, timeout=120, env=env, cwd=tmp_path)
+    assert res.returncode != 0
+    assert ("DistributedTimeoutError: init_process_group: rank 1 waited 3 s in torchrun's store "
+            "for rank 0's address and it never came") in res.stderr, res.stderr
+
+
 def test_tcp_init_method_with_explicit_rank():
     port = free_port()
     envs = [dict(DDPC_TOKEN="t-tcp")] * 2

@@ -2,9 +2,12 @@
 `python -m ddpc._worker -m module args...`. It runs the target like `python script.py` would, and
 on an uncaught exception writes a JSON error report to $DDPC_ERROR_FILE for the launcher.
 `python -m ddpc._worker --exec program args...` (launch --no-python) becomes the program."""
+import builtins
 import ctypes
 import errno
 import faulthandler
+import importlib.machinery
+import io
 import json
 import os
 import runpy
@@ -13,6 +16,7 @@ import socket
 import sys
 import time
 import traceback
+import types
 from types import TracebackType
 from typing import Any, Callable
 
@@ -155,6 +159,31 @@ def report_uncaught_exceptions() -> None:
     sys.excepthook = excepthook
 
 
+_own_module = None  # this module, once a script took its place as __main__ (kept alive)
+
+
+def _run_script(script: str) -> None:
+    """Runs script as `python script.py` does: in a __main__ module that stays __main__ after
+    its top-level code returns (runpy.run_path restores the old one then, so its threads, its
+    atexit handlers and pickles of its classes would no longer find it), with an absolute
+    __file__, and sys.path[0] the directory of the script's real path (symlinks resolved)."""
+    global _own_module
+    path = os.path.abspath(script)
+    sys.path[0] = os.path.dirname(os.path.realpath(path))
+    if not os.path.isfile(path) or path.endswith((".pyc", ".pyo")):
+        runpy.run_path(script, run_name="__main__")  # (a folder or zip with __main__.py, a .pyc)
+        return
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+                         __builtins__=builtins)
+    _own_module = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
+
+
 def main(argv: list[str]) -> None:
     """Runs `script args...` or `-m module args...` as __main__ with the usual sys.argv/sys.path."""
     if not argv or (argv[0] in ("-m", "--exec") and len(argv) < 2):
@@ -184,14 +213,13 @@ def main(argv: list[str]) -> None:
     try:
         if argv[0] == "-m":
             # `python -m` semantics: sys.path[0] is the working directory (already so, because
-            # this module was itself started with -m); run_module fixes sys.argv[0].
+            # this module was itself started with -m). This is what `python -m` itself calls:
+            # unlike run_module, it leaves the module in sys.modules["__main__"] afterwards.
             sys.argv = [argv[1]] + argv[2:]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            runpy._run_module_as_main(argv[1], alter_argv=True)  # type: ignore[attr-defined]
         else:
-            script = argv[0]
             sys.argv = list(argv)
-            sys.path[0] = os.path.dirname(os.path.abspath(script))
-            runpy.run_path(script, run_name="__main__")
+            _run_script(argv[0])
     except SystemExit:
         raise  # exit codes pass through unchanged; a non-zero one shows the script's own stderr
     except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised unchanged

@@ -407,6 +407,8 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     try:
         if kind == "file":
             addr, port, token = _file_rendezvous(st, where, r, timeout_s)
+        elif kind == "env" and w > 1 and _torchrun_agent_store():
+            addr, port, token = _agent_store_rendezvous(st, r, timeout_s)
         else:
             if kind == "tcp":
                 addr, port = where
@@ -443,6 +445,58 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         _release(st)
         raise
     _state = st
+
+
+_agent_inits = 0  # init_process_group calls under torchrun's agent store, in this process
+
+
+def _torchrun_agent_store() -> bool:
+    """torchrun's agent serves a store (torch's TCPStore) on MASTER_PORT itself and tells its
+    workers so: ddpc's store cannot take that port."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("true", "1")
+
+
+def _agent_store_rendezvous(st: _State, rank: int, timeout: float) -> Tuple[str, int, str]:
+    """Under torchrun: rank 0 serves ddpc's store on a port of its own choosing, with a random
+    token, and publishes 'host port token' in torchrun's store (where torch's own workers
+    rendezvous too); the other ranks read it there. The key carries torchrun's restart count
+    and this process's init count, so no rank reads a store of an earlier attempt or group."""
+    global _agent_inits
+    _agent_inits += 1
+    master = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    agent_port = _port_number(os.environ.get("MASTER_PORT", ""), "MASTER_PORT")
+    key = (f"ddpc/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+           f"init_{_agent_inits}")
+    try:
+        import datetime
+        from torch.distributed import TCPStore
+    except ImportError as e:
+        raise RuntimeError(f"init_process_group: started by torchrun (TORCHELASTIC_USE_AGENT_STORE"
+                           f"=True), whose store needs torch.distributed to reach, which cannot "
+                           f"be imported ({e}); start the job with `python -m ddpc.launch` "
+                           f"instead") from None
+    try:
+        agent = TCPStore(master, agent_port, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout))
+    except (RuntimeError, ValueError) as e:
+        raise _C.DistributedError(
+            f"init_process_group: rank {rank} cannot reach torchrun's store at "
+            f"{master}:{agent_port} (MASTER_ADDR:MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE=True): "
+            f"{e}") from None
+    if rank == 0:
+        token = os.environ.get("DDPC_TOKEN") or os.urandom(16).hex()
+        addr = _local_addr_towards(master)
+        st.server = _C.StoreServer(addr, 0, token)
+        agent.set(key, f"{addr} {st.server.port} {token}")
+        return addr, st.server.port, token
+    try:
+        addr, port, token = agent.get(key).decode().split()
+    except RuntimeError as e:  # (torch's store timeout: DistStoreError, a RuntimeError)
+        raise _C.DistributedTimeoutError(
+            f"init_process_group: rank {rank} waited {timeout:g} s in torchrun's store for rank "
+            f"0's address and it never came ({type(e).__name__}: {str(e).splitlines()[0]}): "
+            f"look at rank 0's output; did it call init_process_group?") from None
+    return addr, int(port), token
 
 
 def _serve_store(addr: str, port: int, token: str) -> Any:
