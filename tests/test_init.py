@@ -107,9 +107,9 @@ def test_a_job_started_by_real_torchrun(tmp_path, how):
     res = subprocess.run(cmd + [str(script), "normal", "30"], capture_output=True, text=True,
                          timeout=120, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    lines = sorted(ln for ln in res.stdout.splitlines() if ln.startswith("rank "))
-    assert lines == ["rank 0 of 2: [3.0, 3.0, 3.0]"] * 2 + ["rank 1 of 2: [3.0, 3.0, 3.0]"] * 2, \
-        res.stdout
+    # (torchrun's ranks share one stdout, so their lines may interleave)
+    for r in range(2):
+        assert res.stdout.count(f"rank {r} of 2: [3.0, 3.0, 3.0]") == 2, res.stdout
     if how[0] != "--standalone":
         return
     res = subprocess.run(cmd + [str(script), "rank0_absent", "3"], capture_output=True,
