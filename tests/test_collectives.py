@@ -646,6 +646,95 @@ def scenario_work_status() -> Dict:
 SCENARIOS["work_status"] = scenario_work_status
 
 
+def scenario_layouts_and_dtypes() -> Dict:
+    """What gloo takes and ddpc used to refuse or get wrong: strided (non-contiguous) tensors,
+    bool and complex tensors, a NumPy integer as src, a requires_grad output; and async
+    gathers whose outputs must be written once they are said to be complete."""
+    import ddpc
+    import torch
+    init(timeout=10.0)
+    rank, world = ddpc.get_rank(), ddpc.get_world_size()
+    out: Dict = {}
+    # Strided tensors: a transposed one, a channels_last one, a step-sliced array, all in place
+    t = (torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * rank).t()
+    ddpc.all_reduce(t)
+    out["transposed"] = [t.tolist(), t.stride()]
+    cl = torch.full((1, 2, 2, 2), rank + 1.0).contiguous(memory_format=torch.channels_last)
+    ddpc.all_reduce(cl, async_op=True).wait()
+    out["channels_last"] = [cl.sum().item(), cl.is_contiguous(memory_format=torch.channels_last)]
+    base = np.zeros(8)
+    base[::2] = rank + 1
+    ddpc.all_reduce(base[::2])
+    out["step_sliced"] = base.tolist()
+    wide = torch.zeros(world * 2, 3)
+    ddpc.all_gather_into_tensor(wide[:, 1], torch.full((2,), float(rank)))
+    out["gather_into_column"] = wide[:, 1].tolist() + [wide[:, 0].abs().sum().item()]
+    rs = torch.zeros(2, 4)
+    ddpc.reduce_scatter_tensor(rs[:, 1], torch.arange(2.0 * world) + rank)
+    out["reduce_scatter_column"] = rs.tolist()
+    bc = torch.zeros(3, 2)
+    if rank == 0:
+        bc[:, 0] = torch.tensor([7.0, 8.0, 9.0])
+    ddpc.broadcast(bc[:, 0], src=np.int64(0))
+    out["broadcast_column"] = bc.tolist()
+    try:
+        ddpc.all_reduce(torch.zeros(1).expand(4))
+    except ValueError as e:
+        out["expanded"] = str(e)
+    # bool: SUM is any, PRODUCT all (as torch's NCCL backend); AVG refused
+    flags = torch.tensor([rank == 0, True, False])
+    anyof, allof = flags.clone(), flags.clone()
+    ddpc.all_reduce(anyof)
+    ddpc.all_reduce(allof, op=ddpc.ReduceOp.PRODUCT)
+    out["bool"] = [anyof.tolist(), allof.tolist(), anyof.dtype == torch.bool]
+    try:
+        ddpc.all_reduce(flags.clone(), op=ddpc.ReduceOp.AVG)
+    except ValueError as e:
+        out["bool_avg"] = str(e)
+    gathered = [torch.zeros(3, dtype=torch.bool) for _ in range(world)]
+    ddpc.all_gather(gathered, flags)
+    out["bool_gather"] = [g.tolist() for g in gathered]
+    # complex: SUM and AVG part by part; no order
+    z = torch.tensor([1 + 2j, rank * 1j], dtype=torch.complex64)
+    zs, za = z.clone(), z.clone()
+    ddpc.all_reduce(zs)
+    ddpc.all_reduce(za, op="avg")
+    out["complex"] = [[[v.real, v.imag] for v in zs.tolist()],
+                      [[v.real, v.imag] for v in za.tolist()]]
+    for key, call in (("complex_max", lambda: ddpc.all_reduce(z.clone(), op="max")),
+                      ("complex_conj", lambda: ddpc.all_reduce(z.clone().conj()))):
+        try:
+            call()
+        except ValueError as e:
+            out[key] = str(e)
+    zb = z.to(torch.complex128) if rank == 1 else torch.zeros(2, dtype=torch.complex128)
+    ddpc.broadcast(zb, src=1)
+    out["complex_broadcast"] = [[v.real, v.imag] for v in zb.tolist()]
+    # scatter into a leaf that requires grad: written as data, as gloo does
+    leaf = torch.zeros(2, requires_grad=True)
+    parts = [torch.full((2,), float(r)) for r in range(world)] if rank == 0 else None
+    ddpc.scatter(leaf, parts, src=0)
+    out["scatter_leaf"] = [leaf.tolist(), leaf.requires_grad]
+    # Async gathers: complete means written, and so does any later collective's return
+    outs = [torch.zeros(1) for _ in range(world)]
+    w = ddpc.all_gather(outs, torch.full((1,), rank + 1.0), async_op=True)
+    while not w.is_completed():
+        time.sleep(0.001)
+    out["polled"] = [o.item() for o in outs] + [w.is_success()]
+    outs2 = [torch.zeros(1) for _ in range(world)]
+    ddpc.all_gather(outs2, torch.full((1,), rank + 5.0), async_op=True)  # (never waited for)
+    ddpc.barrier()
+    out["after_barrier"] = [o.item() for o in outs2]
+    try:
+        ddpc.new_group([0, 0])
+    except ValueError as e:
+        out["new_group"] = str(e)
+    return out
+
+
+SCENARIOS["layouts_and_dtypes"] = scenario_layouts_and_dtypes
+
+
 def scenario_destroy_unwaited() -> Dict:
     """Async collectives never waited for are finished by destroy_process_group (their arrays
     get the results; they used to be dropped), and one that fails there is a warning."""
@@ -881,6 +970,32 @@ def test_work_is_success_after_a_failure_and_avg_of_integers_is_refused(tmp_path
             "reduce_scatter: op=AVG of int32 elements would round the average down (and may "
             "overflow): use op=SUM and divide in floating point, or pass a floating-point "
             "tensor"], res
+
+
+def test_strided_bool_and_complex_tensors_and_async_outputs(tmp_path):
+    for rank, r in enumerate(run_job("layouts_and_dtypes", 2, tmp_path, with_torch=True)):
+        assert r["transposed"] == [[[10.0, 16.0], [12.0, 18.0], [14.0, 20.0]], [1, 3]], r
+        assert r["channels_last"] == [24.0, True], r
+        assert r["step_sliced"] == [3.0, 0.0] * 4, r
+        assert r["gather_into_column"] == [0.0, 0.0, 1.0, 1.0, 0.0], r
+        assert r["reduce_scatter_column"] == [[0, 1 + 4 * rank, 0, 0], [0, 3 + 4 * rank, 0, 0]], r
+        assert r["broadcast_column"] == [[7.0, 0.0], [8.0, 0.0], [9.0, 0.0]], r
+        assert r["expanded"].startswith("the output (shape (4,), strides (0,)) has elements that "
+                                        "share memory (an expand() view)"), r
+        assert r["bool"] == [[True, True, False], [False, True, False], True], r
+        assert r["bool_avg"].startswith("all_reduce: op=AVG of bool elements has no bool "
+                                        "result"), r
+        assert r["bool_gather"] == [[True, True, False], [False, True, False]], r
+        assert r["complex"] == [[[2.0, 4.0], [0.0, 1.0]], [[1.0, 2.0], [0.0, 0.5]]], r
+        assert r["complex_broadcast"] == [[1.0, 2.0], [0.0, 1.0]], r
+        assert r["complex_max"] == ("all_reduce: op=MAX is not defined for complex numbers: use "
+                                    "SUM or AVG"), r
+        assert r["complex_conj"].startswith("all_reduce: tensor is a conjugate view"), r
+        assert r["scatter_leaf"] == [[float(rank)] * 2, True], r
+        assert r["polled"] == [1.0, 2.0, True], r
+        assert r["after_barrier"] == [5.0, 6.0], r
+        assert r["new_group"] == ("new_group(ranks=[0, 0]): rank 0 is named twice (the ranks "
+                                  "are 0..1, each named once)"), r
 
 
 def test_destroy_finishes_async_collectives_nobody_waited_for(tmp_path):

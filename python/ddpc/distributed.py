@@ -40,9 +40,15 @@ _DTYPE_CODES = {
     "float32": 0, "float64": 1, "float16": 2, "bfloat16": 3,
     "int32": 4, "int64": 5, "uint8": 6, "int8": 7,
 }
+# dtypes the core has no code of its own for, carried as one it has: (that dtype, its elements
+# per element, what it is). Moving data needs nothing more; reductions are mapped or refused by
+# _op_for (complex: SUM and AVG on the real and imaginary parts; bool: as torch's NCCL does).
+_CARRIED = {"bool": ("uint8", 1, "bool"), "complex64": ("float32", 2, "complex"),
+            "complex128": ("float64", 2, "complex")}
 # __array_interface__ / __cuda_array_interface__ typestr (without byte order) -> dtype name.
 _TYPESTR = {"f4": "float32", "f8": "float64", "f2": "float16", "i4": "int32", "i8": "int64",
-            "u1": "uint8", "i1": "int8", "V2": "bfloat16"}
+            "u1": "uint8", "i1": "int8", "V2": "bfloat16", "b1": "bool", "c8": "complex64",
+            "c16": "complex128"}
 
 
 class ReduceOp(enum.IntEnum):
@@ -763,14 +769,12 @@ def get_backend(group: Any = None) -> str:
 def get_global_rank(group: Any, group_rank: int) -> int:
     """The global rank of group_rank in group: the same number, as every ddpc group spans every
     rank."""
-    _check_rank(_group(group), group_rank, "group_rank", "get_global_rank")
-    return group_rank
+    return _check_rank(_group(group), group_rank, "group_rank", "get_global_rank")
 
 
 def get_group_rank(group: Any, global_rank: int) -> int:
     """The rank in group of global_rank: the same number (see get_global_rank)."""
-    _check_rank(_group(group), global_rank, "global_rank", "get_group_rank")
-    return global_rank
+    return _check_rank(_group(group), global_rank, "global_rank", "get_group_rank")
 
 
 def is_nccl_available() -> bool:
@@ -825,6 +829,13 @@ def new_group(ranks: Optional[Sequence[int]] = None, timeout: Any = None,
         except TypeError:
             raise TypeError(f"new_group: ranks must be a list of int ranks or None, got "
                             f"{ranks!r}") from None
+        bad = sorted({r for r in members if not 0 <= r < st.world_size} |
+                     {r for r in members if members.count(r) > 1})
+        if bad:
+            said = ", ".join(f"rank {r} is named twice" if 0 <= r < st.world_size else
+                             f"{r} is not a rank" for r in bad)
+            raise ValueError(f"new_group(ranks={list(ranks)!r}): {said} (the ranks are "
+                             f"0..{st.world_size - 1}, each named once)")
         if members != list(range(st.world_size)):
             raise NotImplementedError(
                 f"new_group(ranks={list(ranks)!r}): a group of some of the {st.world_size} ranks "
@@ -878,20 +889,72 @@ def device() -> Any:
 
 
 class _Buffer:
-    __slots__ = ("ptr", "count", "dtype", "device", "stream", "owner", "shape")
+    __slots__ = ("ptr", "count", "dtype", "device", "stream", "owner", "shape", "kind")
 
     def __init__(self, ptr: int, count: int, dtype: int, device: int, stream: int, owner: Any,
-                 shape: Tuple[int, ...]) -> None:
+                 shape: Tuple[int, ...], kind: Optional[str] = None) -> None:
         self.ptr, self.count, self.dtype = ptr, count, dtype
         self.device, self.stream, self.owner, self.shape = device, stream, owner, shape
+        self.kind = kind  # "bool" or "complex" for a _CARRIED dtype, else None
 
 
-def _dtype_code(name: str, what: str) -> int:
+def _dtype_entry(name: str, what: str) -> Tuple[int, int, Optional[str]]:
+    """(the core's dtype code, its elements per element of `name`, "bool"/"complex"/None)."""
     code = _DTYPE_CODES.get(name)
-    if code is None:
-        raise TypeError(f"{what} has dtype {name}, which ddpc collectives do not support: use one "
-                        f"of {', '.join(_DTYPE_CODES)}")
-    return code
+    if code is not None:
+        return code, 1, None
+    carried = _CARRIED.get(name)
+    if carried is not None:
+        return _DTYPE_CODES[carried[0]], carried[1], carried[2]
+    raise TypeError(f"{what} has dtype {name}, which ddpc collectives do not support: use one "
+                    f"of {', '.join(list(_DTYPE_CODES) + list(_CARRIED))}")
+
+
+def _op_for(b: "_Buffer", redop: int, what: str) -> int:
+    """The reduction to run on b's carried elements: complex numbers add (SUM, AVG) part by part
+    and have no order; bools reduce as torch's NCCL backend does (SUM: any, PRODUCT: all)."""
+    if b.kind is None:
+        return redop
+    name = ReduceOp(redop).name
+    if b.kind == "complex":
+        if redop in (ReduceOp.SUM, ReduceOp.AVG):
+            return redop
+        raise ValueError(f"{what}: op={name} is not defined for complex numbers: use SUM or AVG")
+    if redop == ReduceOp.AVG:
+        raise ValueError(f"{what}: op=AVG of bool elements has no bool result: use SUM or MAX "
+                         f"(any rank True), PRODUCT or MIN (every rank True), or pass a floating-"
+                         f"point tensor")
+    return int({ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN}.get(redop, redop))
+
+
+def _staged(x: Any, writable: bool = True) -> Tuple[Any, Any]:
+    """(x, None) for a C-contiguous x; else (a contiguous copy of it, and, when writable, a
+    function that copies the result back into x), as gloo takes a strided tensor (a transposed
+    or step-sliced one, or a channels_last gradient)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.layout is not torch.strided or x.is_contiguous():
+            return x, None
+        if writable and any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
+            raise ValueError(f"the output (shape {tuple(x.shape)}, strides {x.stride()}) has "
+                             f"elements that share memory (an expand() view): pass a tensor of "
+                             f"its own, e.g. x.clone()")
+        c = x.contiguous()
+
+        def back() -> None:
+            with torch.no_grad():
+                x.copy_(c)
+        return c, back if writable else None
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(x, np.ndarray) and not x.flags["C_CONTIGUOUS"]:
+        if writable and not x.flags["WRITEABLE"]:
+            return x, None  # (refused by _numpy_buffer, which says why)
+        c = np.ascontiguousarray(x)
+
+        def back_np() -> None:
+            x[...] = c
+        return c, back_np if writable else None
+    return x, None
 
 
 _TORCH_DTYPE_CODES: dict = {}  # torch.dtype -> code, filled on first use (keeps torch optional)
@@ -923,10 +986,11 @@ _raw_stream_fn: Any = None
 
 def _torch_buffer(t: Any, what: str) -> _Buffer:
     # This runs on every collective: keep it to attribute reads and dict lookups.
-    dtype = _TORCH_DTYPE_CODES.get(t.dtype)
-    if dtype is None:
-        dtype = _dtype_code(str(t.dtype).replace("torch.", ""), what)
-        _TORCH_DTYPE_CODES[t.dtype] = dtype
+    entry = _TORCH_DTYPE_CODES.get(t.dtype)
+    if entry is None:
+        entry = _dtype_entry(str(t.dtype).replace("torch.", ""), what)
+        _TORCH_DTYPE_CODES[t.dtype] = entry
+    dtype, per, kind = entry
     # Layout first: a sparse tensor's is_contiguous() raises instead of answering.
     if t.layout is not sys.modules["torch"].strided:
         raise TypeError(f"{what} must be a dense (strided) tensor, got layout {t.layout}")
@@ -938,6 +1002,10 @@ def _torch_buffer(t: Any, what: str) -> _Buffer:
         raise ValueError(f"{what} is a negated view (torch.is_neg(): its memory holds -x, as "
                          f"from torch._neg_view or the imaginary part of a conj()): pass "
                          f"tensor.resolve_neg() and copy the result back")
+    if kind == "complex" and t.is_conj():
+        raise ValueError(f"{what} is a conjugate view (torch.is_conj(): its memory holds the "
+                         f"unconjugated values): pass tensor.resolve_conj() and copy the result "
+                         f"back")
     dev_t = t.device
     if dev_t.type == "cuda":
         dev = dev_t.index if dev_t.index is not None else _current_device()
@@ -946,7 +1014,7 @@ def _torch_buffer(t: Any, what: str) -> _Buffer:
         dev, stream = -1, 0
     else:
         raise TypeError(f"{what} is on device {dev_t}: ddpc works on cpu and cuda tensors")
-    return _Buffer(t.data_ptr(), t.numel(), dtype, dev, stream, t, ())
+    return _Buffer(t.data_ptr(), t.numel() * per, dtype, dev, stream, t, (), kind)
 
 
 def _numpy_buffer(a: Any, what: str, writable: bool) -> _Buffer:
@@ -958,8 +1026,8 @@ def _numpy_buffer(a: Any, what: str, writable: bool) -> _Buffer:
                          f"misread its values; pass x.astype(x.dtype.newbyteorder('='))")
     if writable and not a.flags["WRITEABLE"]:
         raise ValueError(f"{what} is read-only, but the collective writes its result into it")
-    return _Buffer(a.ctypes.data, a.size, _dtype_code(a.dtype.name, what), -1, 0, a,
-                   tuple(a.shape))
+    code, per, kind = _dtype_entry(a.dtype.name, what)
+    return _Buffer(a.ctypes.data, a.size * per, code, -1, 0, a, tuple(a.shape), kind)
 
 
 def _as_buffer(x: Any, what: str, writable: bool = True) -> _Buffer:
@@ -986,7 +1054,8 @@ def _as_buffer(x: Any, what: str, writable: bool = True) -> _Buffer:
         if stream in (1, 2):  # the legacy / per-thread default stream markers
             stream = 0
         dev = _pointer_device(x)
-        return _Buffer(ptr, count, _dtype_code(name, what), dev, stream, x, tuple(cai["shape"]))
+        code, per, kind = _dtype_entry(name, what)
+        return _Buffer(ptr, count * per, code, dev, stream, x, tuple(cai["shape"]), kind)
     if hasattr(x, "__dlpack__"):
         dev_type, dev_id = x.__dlpack_device__() if hasattr(x, "__dlpack_device__") else (1, 0)
         if dev_type == 1:  # kDLCPU
@@ -1013,18 +1082,27 @@ def _pointer_device(x: Any) -> int:
 
 # The Works of async collectives that still have host work to do when they end (a copy into an
 # output list: all_gather's, gather's, scatter's), held here even when the caller dropped them,
-# until that copy is done: by wait(), by a later async call once the collective has ended, or by
-# destroy_process_group. (One without such a copy needs nothing: the C core holds its buffers
-# until it ends, and destroy_process_group waits for the group to be idle first.)
+# until that copy is done: by wait() or is_completed(), by any later collective call once the
+# collective has ended, or by destroy_process_group. (One without such a copy needs nothing: the
+# C core holds its buffers until it ends, and destroy_process_group waits for the group to be
+# idle first.)
 _unwaited: set = set()
 # The others, while their caller holds them: destroy_process_group says when one failed.
 _held: "weakref.WeakSet[Work]" = weakref.WeakSet()
 
 
-def _track_unwaited(w: "Work") -> None:
+def _settle_ended() -> None:
+    """Finishes the async collectives that ended with a copy into an output list still to do
+    (all_gather, gather, scatter into a list): called at each collective this process posts,
+    and after each synchronous one returns, so their outputs are filled by then, as gloo's
+    are, even if nobody waits for them."""
     for old in tuple(_unwaited):  # (a snapshot: other threads may post meanwhile)
         if old._work.is_completed():
             old._settle()
+
+
+def _track_unwaited(w: "Work") -> None:
+    _settle_ended()
     _unwaited.add(w)
 
 
@@ -1074,8 +1152,13 @@ class Work:
         return True
 
     def is_completed(self) -> bool:
-        """True once the collective finished (successfully or not); never blocks."""
-        return bool(self._work.is_completed())
+        """True once the collective finished (successfully or not), its outputs written;
+        never blocks."""
+        if not self._work.is_completed():
+            return False
+        if self._finish is not None and not self._done and self._error is None:
+            self._settle()  # (the copy into the output list: done before saying it is done)
+        return True
 
     def is_success(self) -> bool:
         """True once the collective finished without error (False while it runs, or when it
@@ -1108,6 +1191,8 @@ def _run(g: Any, op: int, send: Optional[_Buffer], recv: _Buffer, count: int, re
     if recv.device < 0 and g.backend == "nccl":
         raise ValueError("a host (cpu) array was passed to a process group with backend 'nccl': "
                          "move it to ddpc.device(), or use backend='cpu'")
+    if _unwaited:
+        _settle_ended()
     work = g.post(op, send.ptr if send is not None else 0, recv.ptr, count, recv.dtype, redop,
                   root, recv.device, recv.stream, keep)
     if async_op:
@@ -1119,6 +1204,8 @@ def _run(g: Any, op: int, send: Optional[_Buffer], recv: _Buffer, count: int, re
         work.wait()
     if finish is not None:
         finish()
+    if _unwaited:
+        _settle_ended()  # (async ones posted before this one, in its group, have ended)
     return None
 
 
@@ -1133,14 +1220,17 @@ def _all_reduce(tensor: Any, op: Any, group: Any, async_op: bool, dst: int) -> O
     """all_reduce, carrying reduce's dst (0 for a plain all_reduce) to the ranks' comparison of
     their calls (the cpu backend's): ranks that name different dst values raise MismatchError."""
     g = _group(group)
+    tensor, back = _staged(tensor)
     b = _as_buffer(tensor, "all_reduce: tensor")
-    redop = _reduce_op(op)
+    redop = _op_for(b, _reduce_op(op), "all_reduce")
     # Small synchronous all-reduces of device memory: one kernel on the caller's stream, no Work
     # (nccl between the GPUs of one host; the backend says False when it has no such path).
     if not async_op and b.device >= 0 and g.all_reduce_now(b.ptr, b.count, b.dtype, redop,
                                                            b.device, b.stream):
+        if back is not None:
+            back()
         return None
-    return _run(g, _ALLREDUCE, None, b, b.count, redop, dst, b.owner, async_op)
+    return _run(g, _ALLREDUCE, None, b, b.count, redop, dst, b.owner, async_op, back)
 
 
 def _named(name: str) -> Any:
@@ -1178,7 +1268,7 @@ def reduce(tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, group: Any = None,
     for metrics and losses, where the extra copy does not matter. tensor must be a torch tensor
     or a NumPy array (TypeError otherwise, on every rank)."""
     g = _group(group)
-    _check_rank(g, dst, "dst", "reduce")
+    dst = _check_rank(g, dst, "dst", "reduce")
     torch = sys.modules.get("torch")
     is_torch = torch is not None and isinstance(tensor, torch.Tensor)
     if not is_torch and not (type(tensor).__module__ == "numpy" and hasattr(tensor, "copy")):
@@ -1192,21 +1282,28 @@ def reduce(tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, group: Any = None,
     return _all_reduce(scratch, op, group, async_op, dst)
 
 
-def _check_rank(g: Any, value: Any, name: str, op: str) -> None:
-    """A src / dst argument must be an int rank of the group."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int rank, got {type(value).__name__}")
+def _check_rank(g: Any, value: Any, name: str, op: str) -> int:
+    """A src / dst argument must be an int rank of the group (a NumPy or torch integer too, as
+    torch takes): returned as an int."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int rank, got {type(value).__name__}") from None
     if not 0 <= value < g.world_size:
         raise ValueError(f"{op}: {name}={value} is not a rank of this group "
                          f"(0..{g.world_size - 1})")
+    return value
 
 
 def broadcast(tensor: Any, src: int = 0, group: Any = None, async_op: bool = False) -> Optional[Work]:
     """Copies rank src's tensor into every rank's tensor (in place)."""
     g = _group(group)
-    _check_rank(g, src, "src", "broadcast")
-    b = _as_buffer(tensor, "broadcast: tensor", writable=g.rank != src)  # (src only reads it)
-    return _run(g, _BROADCAST, None, b, b.count, 0, src, b.owner, async_op)
+    src = _check_rank(g, src, "src", "broadcast")
+    tensor, back = _staged(tensor, writable=g.rank != src)  # (src only reads it)
+    b = _as_buffer(tensor, "broadcast: tensor", writable=g.rank != src)
+    return _run(g, _BROADCAST, None, b, b.count, 0, src, b.owner, async_op, back)
 
 
 def _check_world_multiple(op: str, big_name: str, big: _Buffer, small_name: str, small: _Buffer,
@@ -1216,7 +1313,7 @@ def _check_world_multiple(op: str, big_name: str, big: _Buffer, small_name: str,
     if big.count != small.count * world:
         raise ValueError(f"{op}: {big_name} has {big.count} elements but needs world_size * "
                          f"{small_name} = {world} * {small.count} = {world * small.count}")
-    if big.dtype != small.dtype:
+    if big.dtype != small.dtype or big.kind != small.kind:
         raise TypeError(f"{op}: input and output dtypes differ")
 
 
@@ -1225,10 +1322,12 @@ def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = N
     """output_tensor (world_size * input.numel() elements) receives every rank's input in rank
     order."""
     g = _group(group)
-    inp = _as_buffer(input_tensor, "all_gather: input", writable=False)
+    inp = _as_buffer(_staged(input_tensor, False)[0], "all_gather: input", writable=False)
+    output_tensor, back = _staged(output_tensor)
     out = _as_buffer(output_tensor, "all_gather: output")
     _check_world_multiple("all_gather", "output", out, "input", inp, g.world_size)
-    return _run(g, _ALLGATHER, inp, out, inp.count, 0, 0, (inp.owner, out.owner), async_op)
+    return _run(g, _ALLGATHER, inp, out, inp.count, 0, 0, (inp.owner, out.owner), async_op,
+                back)
 
 
 def _concat_like(items: Sequence[Any], what: str) -> Tuple[Any, Any]:
@@ -1279,7 +1378,8 @@ def _numel(x: Any) -> Optional[int]:
 def _copy_into(dst: Any, src: Any) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(dst, torch.Tensor):
-        dst.copy_(src)
+        with torch.no_grad():  # (a collective writes outputs as data, as gloo's does)
+            dst.copy_(src)
     else:
         dst[...] = src
 
@@ -1293,7 +1393,7 @@ def all_gather(tensor_list: List[Any], tensor: Any, group: Any = None,
                          f"arrays, got {type(tensor_list).__name__} of length "
                          f"{len(tensor_list) if hasattr(tensor_list, '__len__') else '?'}")
     flat, split = _concat_like([tensor] * g.world_size, "all_gather: tensor")
-    inp = _as_buffer(tensor, "all_gather: tensor", writable=False)
+    inp = _as_buffer(_staged(tensor, False)[0], "all_gather: tensor", writable=False)
     want = (getattr(tensor, "dtype", None), _numel(tensor))
     for i, dst in enumerate(tensor_list):
         got = (getattr(dst, "dtype", None), _numel(dst))
@@ -1339,10 +1439,10 @@ def gather(tensor: Any, gather_list: Optional[List[Any]] = None, dst: int = 0,
     (torch.distributed.gather). An all-gather into a scratch buffer on every rank: meant for
     metrics and predictions, where world_size copies do not matter."""
     g = _group(group)
-    _check_rank(g, dst, "dst", "gather")
+    dst = _check_rank(g, dst, "dst", "gather")
     problem = _list_problem("gather", "gather_list", gather_list, tensor, g, dst, "dst")
     flat, split = _concat_like([tensor] * g.world_size, "gather: tensor")
-    inp = _as_buffer(tensor, "gather: tensor", writable=False)
+    inp = _as_buffer(_staged(tensor, False)[0], "gather: tensor", writable=False)
     out = _as_buffer(flat, "gather: output")
 
     def finish() -> None:
@@ -1361,7 +1461,7 @@ def scatter(tensor: Any, scatter_list: Optional[List[Any]] = None, src: int = 0,
     """Each rank r's tensor receives rank src's scatter_list[r]; the other ranks pass None
     (torch.distributed.scatter). A broadcast of the whole list: meant for small tensors."""
     g = _group(group)
-    _check_rank(g, src, "src", "scatter")
+    src = _check_rank(g, src, "src", "scatter")
     problem = _list_problem("scatter", "scatter_list", scatter_list, tensor, g, src, "src")
     # One element more than the parts: src's verdict on its list (1: good), so that a list src
     # refused makes every rank raise instead of taking memory src never filled.
@@ -1390,11 +1490,13 @@ def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM, group
     """output (n elements) receives this rank's n-element slice of the reduction of every rank's
     input (world_size * n elements)."""
     g = _group(group)
-    inp = _as_buffer(input, "reduce_scatter: input", writable=False)
+    inp = _as_buffer(_staged(input, False)[0], "reduce_scatter: input", writable=False)
+    output, back = _staged(output)
     out = _as_buffer(output, "reduce_scatter: output")
     _check_world_multiple("reduce_scatter", "input", inp, "output", out, g.world_size)
-    return _run(g, _REDUCE_SCATTER, inp, out, out.count, _reduce_op(op), 0,
-                (inp.owner, out.owner), async_op)
+    redop = _op_for(inp, _reduce_op(op), "reduce_scatter")
+    return _run(g, _REDUCE_SCATTER, inp, out, out.count, redop, 0, (inp.owner, out.owner),
+                async_op, back)
 
 
 def reduce_scatter(output: Any, input_list: List[Any], op: Any = ReduceOp.SUM, group: Any = None,
@@ -1493,7 +1595,7 @@ def gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None, dst:
     """On rank dst, object_gather_list[r] becomes rank r's obj; the other ranks pass None
     (torch.distributed.gather_object). Built on all_gather_object: meant for small objects."""
     g = _group(group)
-    _check_rank(g, dst, "dst", "gather_object")
+    dst = _check_rank(g, dst, "dst", "gather_object")
     bad = g.rank == dst and (not isinstance(object_gather_list, list) or
                              len(object_gather_list) != g.world_size)
     # Each rank's dst travels with its object, so that ranks naming different dst all say so
@@ -1525,7 +1627,7 @@ def scatter_object_list(scatter_object_output_list: List[Any],
     r (torch.distributed.scatter_object_list). Built on broadcast_object_list: every rank
     unpickles the whole list, so meant for small objects."""
     g = _group(group)
-    _check_rank(g, src, "src", "scatter_object_list")
+    src = _check_rank(g, src, "src", "scatter_object_list")
     problem = None
     if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
         problem = (f"scatter_object_list: scatter_object_output_list must be a list of at "
@@ -1560,7 +1662,7 @@ def broadcast_object_list(object_list: List[Any], src: int = 0, group: Any = Non
     import numpy as np
     del device
     g = _group(group)
-    _check_rank(g, src, "src", "broadcast_object_list")
+    src = _check_rank(g, src, "src", "broadcast_object_list")
     if not isinstance(object_list, list):
         raise TypeError(f"broadcast_object_list: object_list must be a list (it is filled in), "
                         f"got {type(object_list).__name__}")
@@ -1593,10 +1695,14 @@ def broadcast_object_list(object_list: List[Any], src: int = 0, group: Any = Non
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Optional[Work]:
     """Blocks until every rank reached the barrier (or the timeout names those that did not)."""
     g = _group(group)
+    if _unwaited:
+        _settle_ended()
     work = g.post(_BARRIER, 0, 0, 0, 0, 0, 0, -1, 0, None)
     if async_op:
         return Work(work, group=g)
     work.wait()
+    if _unwaited:
+        _settle_ended()  # (async ones posted before it, in its group, have ended)
     return None
 
 
