@@ -1032,6 +1032,19 @@ def test_a_mismatch_names_the_call_the_user_made(tmp_path):
                                       "on every rank"), r
 
 
+def test_outputs_of_another_kind_than_the_input_are_named(world_one):
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"^all_gather: tensor_list\[0\] is a numpy\.ndarray but "
+                                        r"tensor is a torch\.Tensor: pass entries of tensor's kind"):
+        world_one.all_gather([np.zeros(2, dtype=np.float32)], torch.zeros(2))
+    with pytest.raises(ValueError, match=r"^gather: gather_list\[0\] is a numpy\.ndarray but "
+                                         r"tensor is a torch\.Tensor"):
+        world_one.gather(torch.zeros(2), [np.zeros(2, dtype=np.float32)], dst=0)
+    got = [torch.zeros(2)]
+    world_one.all_gather(got, torch.nn.Parameter(torch.ones(2)))  # (a Parameter is a Tensor)
+    assert got[0].tolist() == [1.0, 1.0]
+
+
 def test_gather_and_scatter_of_torch_tensors_keep_shapes_and_work_async(world_one):
     torch = pytest.importorskip("torch")
     x = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)

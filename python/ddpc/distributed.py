@@ -1397,6 +1397,10 @@ def all_gather(tensor_list: List[Any], tensor: Any, group: Any = None,
     want = (getattr(tensor, "dtype", None), _numel(tensor))
     for i, dst in enumerate(tensor_list):
         got = (getattr(dst, "dtype", None), _numel(dst))
+        if _kind_name(dst) != _kind_name(tensor):
+            raise TypeError(f"all_gather: tensor_list[{i}] is a {_kind_name(dst)} but tensor is a "
+                            f"{_kind_name(tensor)}: pass entries of tensor's kind "
+                            f"(torch.empty_like(tensor) or numpy.empty_like(tensor))")
         if got != want:
             raise ValueError(f"all_gather: tensor_list[{i}] holds {got[1]} x {got[0]} but tensor "
                              f"is {want[1]} x {want[0]}: every entry of tensor_list must have "
@@ -1408,6 +1412,16 @@ def all_gather(tensor_list: List[Any], tensor: Any, group: Any = None,
             _copy_into(dst, part.reshape(dst.shape))
 
     return _run(g, _ALLGATHER, inp, out, inp.count, 0, 0, (inp.owner, flat), async_op, finish)
+
+
+def _kind_name(x: Any) -> str:
+    """torch.Tensor, numpy.ndarray, or the module and name of another array's type."""
+    torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch.Tensor"
+    if np is not None and isinstance(x, np.ndarray):
+        return "numpy.ndarray"
+    return f"{type(x).__module__.split('.')[0]}.{type(x).__name__}"
 
 
 def _list_problem(op: str, name: str, items: Any, tensor: Any, g: Any, root: int,
@@ -1426,6 +1440,9 @@ def _list_problem(op: str, name: str, items: Any, tensor: Any, g: Any, root: int
     want = (getattr(tensor, "dtype", None), _numel(tensor))
     for i, t in enumerate(items):
         got = (getattr(t, "dtype", None), _numel(t))
+        if _kind_name(t) != _kind_name(tensor):
+            return (f"{op}: {name}[{i}] is a {_kind_name(t)} but tensor is a "
+                    f"{_kind_name(tensor)}: every entry must be of tensor's kind")
         if got != want:
             return (f"{op}: {name}[{i}] holds {got[1]} x {got[0]} but tensor is {want[1]} x "
                     f"{want[0]}: every entry must have tensor's dtype and number of elements")
