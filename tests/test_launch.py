@@ -319,7 +319,7 @@ def test_max_restarts_restarts_the_group(tmp_path):
     assert "RuntimeError: transient failure" in err
 
     rc, _, err, _ = launch(["--nproc-per-node", "2", "flaky.py"], tmp_path)
-    assert rc == 1 and "restarting" not in err
+    assert rc == 1 and "restarting" not in err and "gave up" not in err
 
 
 def test_module_mode(tmp_path):
@@ -352,7 +352,7 @@ def test_ctrl_c_stops_every_worker(tmp_path):
         proc.kill()
         proc.wait()
     assert proc.returncode == 130, err
-    assert "got SIGINT" in err
+    assert "got SIGINT: stopped 2 running rank(s) with SIGINT\n" in err, err  # no SIGKILL
     assert "KeyboardInterrupt" in err  # the workers got SIGINT first, not a bare kill
     assert wait_gone(pids) == []
 
@@ -451,8 +451,9 @@ def test_gpu_selection_through_nvidia_smi(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--nproc-per-node", "0", "ok.py"], "argument --nproc-per-node"),
-    (["--nproc-per-node", "two", "ok.py"], "expected a positive integer up to 65536 or 'auto'"),
-    (["--nproc-per-node", str(10 ** 12), "ok.py"], "up to 65536 or 'auto', got '1000000000000'"),
+    (["--nproc-per-node", "two", "ok.py"], "expected a positive integer up to 65536, or auto, "
+                                           "cpu or gpu, got 'two'"),
+    (["--nproc-per-node", str(10 ** 12), "ok.py"], "or auto, cpu or gpu, got '1000000000000'"),
     (["--nnodes", "3000000000", "--node-rank", "0", "--nproc-per-node", "1", "ok.py"],
      "--nnodes 3000000000 times --nproc-per-node 1 is 3000000000 ranks; a job has at most"),
     (["--nnodes", "3000000000", "--node-rank", "0", "ok.py"],
@@ -472,6 +473,19 @@ def test_gpu_selection_through_nvidia_smi(tmp_path):
      "argument --local-ranks-filter: local rank 2 is not on this node, which runs local ranks "
      "0..1"),
     (["--rdzv_conf", "a=1", "ok.py"], "argument --rdzv-conf: torchrun's flag is not supported"),
+    (["--virtual-local-rank", "ok.py"], "argument --virtual-local-rank: torchrun's flag is not "
+                                        "supported: ddpc binds each rank to GPU LOCAL_RANK"),
+    (["--numa_binding", "node", "ok.py"], "argument --numa-binding: torchrun's flag is not "
+                                          "supported: ddpc.launch does not pin ranks to CPUs"),
+    (["--logs-specs", "mine", "ok.py"], "argument --logs-specs: torchrun's flag is not "
+                                        "supported: ddpc.launch has no pluggable log layout"),
+    (["--event_log_handler", "console", "ok.py"], "argument --event-log-handler: torchrun's "
+                                                  "flag is not supported"),
+    (["--signals-to-handle", "SIGTERM,SIGKILL", "ok.py"], "SIGKILL cannot be caught"),
+    (["--signals_to_handle", "SIGUSR3", "ok.py"], "'SIGUSR3' is not a signal here"),
+    (["--local-addr", "192.0.2.77", "ok.py"], "argument --local-addr: '192.0.2.77' is not an "
+                                              "address of this host"),
+    (["--run-path", "-m", "json.tool"], "argument --run-path: runs a script file"),
     (["missing.py"], "'missing.py' not found"),
     (["."], "'.' is a directory without __main__.py"),
     (["-m", "no_such_module_xyz"], "no module named 'no_such_module_xyz'"),
@@ -485,6 +499,11 @@ def test_gpu_selection_through_nvidia_smi(tmp_path):
     # A stop must end: a rank that ignores SIGTERM gets SIGKILL after at most an hour.
     (["--timeout-kill", "inf", "ok.py"], "expected a number of seconds above 0 and at most 3600"),
     (["--timeout-kill", "nan", "ok.py"], "argument --timeout-kill/--timeout_kill: expected"),
+    (["--shutdown_timeout", "0", "ok.py"], "argument --shutdown-timeout/--shutdown_timeout: "
+                                           "expected a number of seconds above 0"),
+    (["--shutdown-timeout", "3", "--timeout-kill", "4", "ok.py"],
+     "argument --shutdown-timeout: 3 differs from --timeout-kill 4 (torchrun's name for the "
+     "same thing)"),
     (["--timeout-kill", "1e300", "ok.py"], "at most 3600 (how long ranks get to exit"),
     (["--timeout-kill", "0", "ok.py"], "got '0'"),
     (["-m", "os.nonexistent"], "no module named 'os.nonexistent': 'os' is a module"),
@@ -742,8 +761,9 @@ def test_a_crash_in_native_code_shows_the_python_line_that_made_the_call(tmp_pat
     summary = err[err.index("ddpc.launch: rank 1 (local rank 1"):]
     assert "failed first: signal SIGSEGV" in summary, summary
     assert "rank 1's Python stacks at the crash (faulthandler):" in summary, summary
-    assert re.search(r'File "crash\.py", line 6 in step\n +File "crash\.py", line 9 in <module>',
-                     summary), summary
+    # (the script's path as given, or absolute, as `python crash.py` shows it)
+    assert re.search(r'File "(?:.*/)?crash\.py", line 6 in step\n'
+                     r' +File "(?:.*/)?crash\.py", line 9 in <module>', summary), summary
     assert "_worker.py" not in summary and "Extension modules" not in summary, summary
 
 
@@ -936,8 +956,8 @@ def test_a_directory_with_main_runs_as_python_runs_it(tmp_path):
 
 def test_torchrun_flags_that_need_nothing_are_accepted(tmp_path):
     write(tmp_path, "ok.py", "print('ran')\n")
-    rc, out, err, _ = launch(["--nproc-per-node", "gpu", "--monitor-interval", "5",
-                              "--start_method", "spawn", "ok.py"], tmp_path)
+    rc, out, err, _ = launch(["--monitor-interval", "5", "--start_method", "spawn", "ok.py"],
+                             tmp_path)
     assert rc == 0, err
     assert "[rank0]: ran" in out
 
@@ -1033,3 +1053,257 @@ def test_no_python_program_dies_with_a_killed_launcher(tmp_path):
         proc.kill()
         proc.wait()
     assert wait_gone(pids) == []
+
+
+def test_piped_stdin_reaches_the_ranks(tmp_path):
+    """The ranks inherit the launcher's stdin, as under torchrun: piped input reaches rank 0
+    (and breakpoint() in a rank reads the terminal instead of ending with BdbQuit)."""
+    write(tmp_path, "read.py", """
+        import sys
+        print("read", repr(sys.stdin.read()), flush=True)
+    """)
+    res = subprocess.run([sys.executable, "-m", "ddpc.launch", "--nproc-per-node", "1",
+                          "read.py"], cwd=tmp_path, env=launcher_env(), input="hello\n",
+                         capture_output=True, text=True, timeout=40)
+    assert res.returncode == 0, res.stderr
+    assert "[rank0]: read 'hello\\n'" in res.stdout, res.stdout
+
+
+def test_a_reused_log_dir_keeps_each_run_apart(tmp_path):
+    """A second run into the same --log-dir goes to a new DIR/run-N (printed), so it neither
+    appends to the first run's rank files nor leaves the first run's later attempts beside its
+    own; after the last allowed restart fails, the launcher says it gave up."""
+    write(tmp_path, "runs.py", """
+        import os, sys
+        print(f"run {sys.argv[1]} attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}",
+              flush=True)
+        sys.exit(3 if sys.argv[1] == "1" else 0)
+    """)
+    rc, _, err, _ = launch(["--max-restarts", "1", "--log-dir", "logs", "runs.py", "1"],
+                           tmp_path)
+    assert rc == 3, err
+    assert err.rstrip().endswith("ddpc.launch: gave up after 1 restart(s) (--max-restarts 1): "
+                                 "the last attempt failed too, as above"), err
+    assert "holds an earlier run's logs" not in err
+    logs = tmp_path / "logs"
+    rc, _, err, _ = launch(["--log-dir", "logs", "--node-rank", "1", "runs.py", "x"], tmp_path)
+    assert rc == 2 and sorted(p.name for p in logs.iterdir()) == ["attempt_0", "attempt_1"], err
+    for run in (2, 3):
+        rc, _, err, _ = launch(["--log-dir", "logs", "runs.py", str(run)], tmp_path)
+        assert rc == 0, err
+        assert f"ddpc.launch: --log-dir logs holds an earlier run's logs: this run's go to " \
+               f"logs/run-{run}\n" in err, err
+        assert (logs / f"run-{run}" / "attempt_0" / "rank0" / "stdout.log").read_text() == \
+            f"run {run} attempt 0\n"
+        assert sorted(p.name for p in (logs / f"run-{run}").iterdir()) == ["attempt_0"]
+    # The first run's files hold the first run alone.
+    assert (logs / "attempt_0" / "rank0" / "stdout.log").read_text() == "run 1 attempt 0\n"
+    assert (logs / "attempt_1" / "rank0" / "stdout.log").read_text() == "run 1 attempt 1\n"
+    assert "failed first: exit code 3" in (logs / "attempt_1" / "summary.log").read_text()
+
+
+def test_log_files_keep_the_bytes_the_rank_wrote(tmp_path):
+    """A line still waiting for its newline and \\r progress-bar frames reach the --log-dir
+    file exactly as written; the console shows them line by line with the rank's prefix."""
+    write(tmp_path, "bar.py", """
+        import sys, time
+        sys.stdout.write("epoch 1: "); sys.stdout.flush()
+        time.sleep(1.3)  # longer than the launcher waits before it shows a partial line
+        sys.stdout.write("loss=0.5\\n\\rstep 1/2\\rstep 2/2\\ndone")
+    """)
+    rc, out, err, _ = launch(["--log-dir", "logs", "bar.py"], tmp_path)
+    assert rc == 0, err
+    path = tmp_path / "logs" / "attempt_0" / "rank0" / "stdout.log"
+    assert path.read_bytes() == b"epoch 1: loss=0.5\n\rstep 1/2\rstep 2/2\ndone"
+    assert out.splitlines() == ["[rank0]: epoch 1: ", "[rank0]: loss=0.5", "[rank0]: step 2/2",
+                                "[rank0]: done"], out
+
+
+def test_nproc_per_node_takes_torchruns_words(tmp_path):
+    """cpu: one rank per CPU this process may use (here the launcher is limited to at most two,
+    so the count is its affinity, not the machine's); auto without a visible GPU: the same;
+    gpu without one: an error that says so and what to pass; no flag: 1 without GPUs."""
+    write(tmp_path, "show_env.py", ENV_SCRIPT)
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    no_gpu = launcher_env(CUDA_VISIBLE_DEVICES="")
+
+    def world(args, env):
+        res = subprocess.run([sys.executable, "-m", "ddpc.launch"] + args + ["show_env.py"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=40,
+                             preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+        assert res.returncode == 0, res.stderr
+        reports = env_reports(res.stdout)
+        assert sorted(reports) == list(range(len(reports))), res.stdout
+        return {info["WORLD_SIZE"] for info in reports.values()} | {str(len(reports))}
+
+    assert world(["--nproc-per-node", "cpu"], no_gpu) == {str(len(cpus))}
+    assert world(["--nproc_per_node", "auto"], no_gpu) == {str(len(cpus))}
+    assert world([], launcher_env(PET_NPROC_PER_NODE="cpu")) == {str(len(cpus))}
+    assert world([], no_gpu) == {"1"}
+    rc, out, err, _ = launch(["--nproc-per-node", "gpu", "show_env.py"], tmp_path, env=no_gpu)
+    assert rc == 2 and "ENV" not in out
+    assert "argument --nproc-per-node: gpu means one rank per visible GPU, but no GPU is " \
+           "visible here (CUDA_VISIBLE_DEVICES=''): give a number of ranks (--nproc-per-node " \
+           "2), or cpu for one per CPU" in err, err
+
+
+def test_torchruns_newer_flags_work(tmp_path):
+    """--shutdown-timeout is --timeout-kill; --local-addr sets DDPC_BIND_ADDR, which the CPU
+    backend's TCP transport binds; --run-path runs a script (and wins over --no-python);
+    --duplicate-stdout-filters copies matching lines to filtered_stdout.log."""
+    write(tmp_path, "stubborn.py", """
+        import os, signal, sys, time
+        if os.environ["RANK"] == "1":
+            sys.exit(4)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(30)
+    """)
+    rc, _, err, took = launch(["--nproc-per-node", "2", "--shutdown-timeout", "0.5",
+                               "stubborn.py"], tmp_path)
+    assert rc == 4, err
+    assert "rank 0: stopped by the launcher (SIGKILL)" in err, err
+    assert took < 4, f"took {took:.1f} s: the 0.5 s of --shutdown-timeout were not used"
+
+    write(tmp_path, "bound.py", """
+        import os, numpy as np, ddpc
+        ddpc.init_process_group(backend="cpu")
+        x = np.ones(3)
+        ddpc.all_reduce(x)
+        print("BIND", os.environ.get("DDPC_BIND_ADDR"), x.tolist(), flush=True)
+    """)
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "--local-addr", "127.0.0.1", "bound.py"],
+                             tmp_path, env=launcher_env(DDPC_CPU_TRANSPORT="tcp"))
+    assert rc == 0, err
+    assert out.count("BIND 127.0.0.1 [2.0, 2.0, 2.0]") == 2, out
+    rc, _, err, _ = launch(["--local-addr", "127.0.0.1", "bound.py"], tmp_path,
+                           env=launcher_env(DDPC_BIND_ADDR="10.0.0.9"))
+    assert rc == 2 and "'127.0.0.1' differs from DDPC_BIND_ADDR='10.0.0.9'" in err, err
+
+    write(tmp_path, "plain.py", "print('ran as python')\n")  # not executable: no --no-python
+    rc, out, err, _ = launch(["--no-python", "--run_path", "plain.py"], tmp_path)
+    assert rc == 0 and "[rank0]: ran as python" in out, err
+
+    write(tmp_path, "metrics.py", """
+        import os
+        r = os.environ["RANK"]
+        print(f"step 1 loss,x={r}")
+        print(f"step 1 lr={r}")
+        print(f"eval acc={r}")
+    """)
+    rc, out, err, _ = launch(["--nproc-per-node", "2", "--log-dir", "logs",
+                              "--duplicate-stdout-filters", "loss,,x,acc", "metrics.py"],
+                             tmp_path)
+    assert rc == 0, err
+    lines = (tmp_path / "logs" / "attempt_0" / "filtered_stdout.log").read_text().splitlines()
+    assert sorted(lines) == ["[rank0]: eval acc=0", "[rank0]: step 1 loss,x=0",
+                             "[rank1]: eval acc=1", "[rank1]: step 1 loss,x=1"], lines
+    assert not (tmp_path / "logs" / "attempt_0" / "filtered_stderr.log").exists()
+
+
+def test_signals_to_handle_are_sent_on_to_the_ranks(tmp_path):
+    """--signals-to-handle SIGUSR2 (as SLURM setups pass SIGUSR1): the launcher sends the
+    signal itself to the ranks, whose handler can checkpoint, and stops the job."""
+    write(tmp_path, "usr2.py", """
+        import os, signal, sys, time
+        def checkpoint(sig, frame):
+            print("checkpoint on", signal.Signals(sig).name, flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGUSR2, checkpoint)
+        print(f"PID {os.getpid()}", flush=True)
+        time.sleep(30)
+    """)
+    proc, pids = start_printing_pids(["--nproc-per-node", "2", "--signals-to-handle",
+                                      "SIGTERM,SIGINT,SIGUSR2", "usr2.py"], tmp_path)
+    try:
+        proc.send_signal(signal.SIGUSR2)
+        rest, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 128 + signal.SIGUSR2, err
+    assert rest.count("checkpoint on SIGUSR2") == 2, rest
+    assert "ddpc.launch: got SIGUSR2: stopped 2 running rank(s) with SIGUSR2\n" in err, err
+    assert wait_gone(pids) == []
+
+
+def test_a_second_ctrl_c_kills_at_once_and_says_so(tmp_path):
+    """Ranks that ignore SIGINT: a second Ctrl-C sends SIGKILL at once, not after
+    --timeout-kill, and the message says which happened."""
+    write(tmp_path, "deaf.py", """
+        import os, signal, time
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print(f"PID {os.getpid()}", flush=True)
+        time.sleep(60)
+    """)
+    proc, pids = start_printing_pids(["--nproc-per-node", "2", "--timeout-kill", "30",
+                                      "deaf.py"], tmp_path)
+    try:
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, err
+    assert "ddpc.launch: got SIGINT: stopped 2 running rank(s) with SIGINT, then SIGKILL at " \
+           "once on the second SIGINT" in err, err
+    assert took < 10, took
+    assert wait_gone(pids) == []
+
+
+def test_ranks_get_the_users_environment_plus_torchruns_defaults(tmp_path):
+    """Each rank starts with TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless the user set it (as under
+    torchrun), and without the NCCL_RUNTIME_CONNECT=0 that importing ddpc set in the launcher;
+    a value the user set is passed on. The rank reads the environment it was started with
+    (/proc/self/environ), before its own import of ddpc."""
+    write(tmp_path, "start_env.py", """
+        import json
+        with open("/proc/self/environ", "rb") as f:
+            env = dict(e.decode().partition("=")[::2] for e in f.read().split(b"\\0") if e)
+        print("START", json.dumps({k: env.get(k) for k in
+                                   ("NCCL_RUNTIME_CONNECT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")}))
+    """)
+
+    def started_with(**extra):
+        env = launcher_env(**extra)
+        for key in ("NCCL_RUNTIME_CONNECT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+            if key not in extra:
+                env.pop(key, None)
+        rc, out, err, _ = launch(["start_env.py"], tmp_path, env=env)
+        assert rc == 0, err
+        return json.loads(re.search(r"^\[rank0\]: START (.*)$", out, re.M).group(1))
+
+    assert started_with() == {"NCCL_RUNTIME_CONNECT": None,
+                              "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert started_with(NCCL_RUNTIME_CONNECT="0", TORCH_NCCL_ASYNC_ERROR_HANDLING="0") == {
+        "NCCL_RUNTIME_CONNECT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    assert started_with(NCCL_RUNTIME_CONNECT="1")["NCCL_RUNTIME_CONNECT"] == "1"
+
+
+def test_console_script_finds_modules_where_the_ranks_do(tmp_path):
+    """Under the ddpc-launch console script, sys.path[0] is the script's bin directory; -m is
+    checked against the ranks' path (working directory, PYTHONPATH, the rest) instead: a module
+    in the working directory runs, one only in the bin directory is refused."""
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    write(tmp_path, "mypkg/train.py", "print('trained')\n")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    write(bindir, "ddpc_launch_script.py", """
+        import sys
+        from ddpc.launch import main
+        sys.exit(main())
+    """)
+    write(bindir, "only_in_bin.py", "print('should not run')\n")
+    script = str(bindir / "ddpc_launch_script.py")
+    res = subprocess.run([sys.executable, script, "-m", "mypkg.train"], cwd=tmp_path,
+                         env=launcher_env(), capture_output=True, text=True, timeout=40)
+    assert res.returncode == 0 and "[rank0]: trained" in res.stdout, res.stderr
+    res = subprocess.run([sys.executable, script, "-m", "only_in_bin"], cwd=tmp_path,
+                         env=launcher_env(), capture_output=True, text=True, timeout=40)
+    assert res.returncode == 2, res.stderr
+    assert f"no module named 'only_in_bin' (the ranks' sys.path starts with the working " \
+           f"directory {tmp_path}, then PYTHONPATH)" in res.stderr, res.stderr

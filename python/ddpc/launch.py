@@ -8,6 +8,7 @@ import collections
 import contextvars
 import dataclasses
 import errno
+import functools
 import importlib.util
 import json
 import os
@@ -42,6 +43,7 @@ MAX_LOCAL_RANKS = 65536      # more processes than any one machine runs: a typo,
 MAX_WORLD_SIZE = 2 ** 31 - 1  # ranks are 32-bit in the process group
 FAILURE_WINDOW_S = 1.0       # failures this close together are one event: the cause is picked
 MAX_TIMEOUT_KILL_S = 3600.0  # --timeout-kill's bound: stopping a rank that ignores SIGTERM ends
+DEFAULT_TIMEOUT_KILL_S = 5.0
 
 SIGNAL_HINTS = {
     "SIGKILL": "likely the out-of-memory killer: check dmesg / lower the batch size",
@@ -275,10 +277,13 @@ def terminal_view(line: bytes) -> bytes:
     return pieces[-1] if pieces else b""
 
 
-def pump(pipe: Any, on_line: Callable[[bytes], None]) -> None:
+def pump(pipe: Any, on_line: Callable[[bytes], None],
+         on_chunk: Callable[[bytes], None] | None = None) -> None:
     """Reads a pipe until EOF and calls on_line for each line (without the newline). A partial
     line is passed on once it has waited PARTIAL_FLUSH_S for its newline (so prompts and
-    \r-progress bars show, about once a second), or when it reaches MAX_LINE bytes."""
+    \\r-progress bars show, about once a second), or when it reaches MAX_LINE bytes. on_chunk,
+    if given, gets every read's bytes first, exactly as the process wrote them (for log files,
+    which keep partial lines and \\r frames that the console's lines cannot)."""
     fd = pipe.fileno()
     buf = b""
     since = 0.0  # when the partial line in buf began
@@ -296,6 +301,8 @@ def pump(pipe: Any, on_line: Callable[[bytes], None]) -> None:
                 chunk = b""
             if not chunk:
                 break
+            if on_chunk is not None:
+                on_chunk(chunk)
             had_partial = bool(buf)
             buf += chunk
             *lines, buf = buf.split(b"\n")
@@ -321,8 +328,9 @@ class WorkerGroup:
     recorded in order, and they are stopped together (whole process groups, so grandchildren
     such as data-loader workers go too)."""
 
-    def __init__(self, sink: Sink, timeout_kill: float) -> None:
+    def __init__(self, sink: Sink, timeout_kill: float, raw_sink: Sink | None = None) -> None:
         self.sink = sink
+        self.raw_sink = raw_sink  # gets the pipes' bytes as read, before they are cut into lines
         self.timeout_kill = timeout_kill
         self.workers: list[Worker] = []
         self.changed = threading.Condition()
@@ -337,8 +345,11 @@ class WorkerGroup:
                 # Each reader runs in a copy of the caller's context: Jupyter routes output by a
                 # context variable, so lines land in the cell that started the ranks.
                 ctx = contextvars.copy_context()
+                on_chunk = (None if self.raw_sink is None else
+                            functools.partial(self.raw_sink, worker, name))
                 t = threading.Thread(target=ctx.run,
-                                     args=(pump, pipe, self._line_handler(worker, name)),
+                                     args=(pump, pipe, self._line_handler(worker, name),
+                                           on_chunk),
                                      name=f"ddpc-rank{worker.rank}-{name}", daemon=True)
                 t.start()
                 worker.threads.append(t)
@@ -421,19 +432,25 @@ class WorkerGroup:
             _killpg(w.proc.pid, sig)
 
     def stop(self, first_signal: int = signal.SIGTERM,
-             escalate: Callable[[], bool] | None = None) -> None:
+             escalate: Callable[[], bool] | None = None) -> str:
         """Sends first_signal to every running rank, then SIGKILL to those still running after
-        timeout_kill seconds (or as soon as escalate() says so, e.g. on a second Ctrl-C)."""
+        timeout_kill seconds (or as soon as escalate() says so, e.g. on a second Ctrl-C).
+        Returns how it ended, for messages: "signal" (every rank exited after first_signal),
+        "timeout" or "escalated" (SIGKILL was sent, after timeout_kill or at once)."""
         self.signal_all(first_signal)
         deadline = time.monotonic() + self.timeout_kill
+        how = "timeout"
         while self.running() and time.monotonic() < deadline:
             if escalate is not None and escalate():
+                how = "escalated"
                 break
             self.wait_change(0.05)
-        if self.running():
-            self.signal_all(signal.SIGKILL)
+        if not self.running():
+            return "signal"
+        self.signal_all(signal.SIGKILL)
         while self.running():
             self.wait_change(0.05)
+        return how
 
     def finish(self) -> None:
         """After every rank exited: kills what is left in their process groups (grandchildren
@@ -533,6 +550,34 @@ def worker_pythonpath(env: dict[str, str]) -> str:
     return os.pathsep.join(p for p in (current, pkg_parent) if p)
 
 
+def _names_at_exec() -> set[str] | None:
+    """The names in this process's environment as it was started (Linux: /proc/self/environ,
+    which later os.environ changes do not touch); None where that cannot be read."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return None
+    return {os.fsdecode(e.partition(b"=")[0]) for e in entries if e}
+
+
+def launcher_rank_base_env(environ: Any) -> dict[str, str]:
+    """The environment the ranks of `ddpc.launch` start from: the user's, plus torchrun's
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless it is set (torch's NCCL then ends a rank on an error
+    or timeout rather than leaving it hung). Importing ddpc set NCCL_RUNTIME_CONNECT=0 in this
+    process (ddpc.distributed does at import, for its own communicators): that is ddpc's
+    default, not the user's setting, so it is not passed on when the launcher was started
+    without it. (A rank that imports ddpc, as every rank of a Python target does through
+    ddpc._worker, sets it again in its own process.)"""
+    env = dict(environ)
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    at_exec = _names_at_exec()
+    if (at_exec is not None and "NCCL_RUNTIME_CONNECT" not in at_exec
+            and env.get("NCCL_RUNTIME_CONNECT") == "0"):
+        del env["NCCL_RUNTIME_CONNECT"]
+    return env
+
+
 def rank_env(base: dict[str, str], *, rank: int, local_rank: int, world_size: int,
              local_world_size: int, node_rank: int, nnodes: int, master_addr: str,
              master_port: int, restart_count: int, max_restarts: int, run_id: str, token: str,
@@ -607,6 +652,17 @@ def setting_warnings(environ: Any, uses_gpus: bool) -> list[str]:
                 _settings.unknown_names(env) + _settings.misspelt_visible_devices(env)]
     return [f"{text} (python -m ddpc.doctor lists every setting)"
             for kind, text in doctor.env_verdicts(dict(environ)) if kind == "WARNING"]
+
+
+def stop_detail(how: str, signals: Sequence[int], timeout_kill: float) -> str:
+    """The end of the message about a stop on a signal: whether SIGKILL was needed, and why
+    (how: WorkerGroup.stop's answer; signals: those the launcher got, in order)."""
+    if how == "timeout":
+        return f", then SIGKILL after {timeout_kill:g} s for those still running"
+    if how == "escalated":
+        second = signal_name(signals[1]) if len(signals) > 1 else "signal"
+        return f", then SIGKILL at once on the second {second}"
+    return ""
 
 
 def describe_exit(rc: int) -> str:
@@ -731,6 +787,11 @@ class LaunchConfig:
     redirects: Any = ()            # --redirects: streams kept off the console (tuple of stream
                                    # names, or {local rank: tuple})
     tee: Any = ()                  # --tee: streams shown even when redirected (same form)
+    bind_addr: str | None = None   # --local-addr: DDPC_BIND_ADDR for the ranks
+    extra_signals: tuple[int, ...] = ()  # --signals-to-handle: forwarded as they are
+    filters: Any = dataclasses.field(default_factory=dict)  # --duplicate-*-filters: {stream:
+                                   # substrings}; matching console lines also go to
+                                   # attempt_K/filtered_<stream>.log
 
     def on_console(self, local_rank: int, stream: str) -> bool:
         """Does this local rank's stream go to the launcher's console?"""
@@ -750,19 +811,21 @@ class Launcher:
         self.lock = threading.Lock()
         self.signals: list[int] = []
         self.attempt_dir: str | None = None  # --log-dir's directory for the current attempt
-        self.logs: dict[tuple[int, str], Any] = {}  # (rank, stream) -> open file, under lock
+        self.logs: dict[tuple[int | None, str], Any] = {}  # (rank, stream) -> file, under lock
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signals.append(signum)
 
     def sink(self, worker: Worker, stream: str, line: bytes) -> None:
         """Writes one worker line, prefixed with its rank, to our stdout or stderr (raw bytes, so
-        any encoding or binary noise passes through untouched)."""
+        any encoding or binary noise passes through untouched), and to the filtered log when it
+        matches a --duplicate-*-filters substring."""
         out = sys.stdout if stream == "stdout" else sys.stderr
         data = f"[rank{worker.rank}]: ".encode() + line + b"\n"
         with self.lock:
-            if self.attempt_dir is not None:
-                self._log(worker.rank, stream, line + b"\n")
+            needles = self.cfg.filters.get(stream) if self.attempt_dir is not None else None
+            if needles and any(n in line for n in needles):
+                self._log(None, f"filtered_{stream}", data)
             if not self.cfg.on_console(worker.local_rank, stream):
                 return
             try:
@@ -777,19 +840,31 @@ class Launcher:
             except (OSError, ValueError):
                 pass  # our own stdout is gone (closed pipe): keep draining the workers
 
-    def _log(self, rank: int, stream: str, data: bytes) -> None:
-        """Appends to --log-dir's file of this rank and stream (under self.lock). A file that
-        cannot be written is reported once and skipped: the job goes on."""
+    def raw_sink(self, worker: Worker, stream: str, chunk: bytes) -> None:
+        """Writes a worker's bytes, as read from its pipe, to its --log-dir file: the file holds
+        what the rank wrote (a line without its newline yet, \\r progress-bar frames), which the
+        console's line-by-line view cannot keep."""
+        with self.lock:
+            if self.attempt_dir is not None:
+                self._log(worker.rank, stream, chunk)
+
+    def _log(self, rank: int | None, stream: str, data: bytes) -> None:
+        """Appends to --log-dir's file of this rank and stream, or with rank None to the
+        attempt's file named by stream (under self.lock). A file that cannot be written is
+        reported once and skipped: the job goes on."""
         key = (rank, stream)
         f = self.logs.get(key)
         if f is None:
-            path = os.path.join(self.attempt_dir, f"rank{rank}", f"{stream}.log")
+            where = [f"rank{rank}"] if rank is not None else []
+            path = os.path.join(self.attempt_dir, *where, f"{stream}.log")
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 f = open(path, "ab")
             except OSError as e:
-                print(f"ddpc.launch: cannot write {path}: {e}; rank {rank}'s {stream} goes to "
-                      f"the console only", file=sys.stderr, flush=True)
+                whose = (f"rank {rank}'s {stream} goes" if rank is not None else
+                         "the lines it would hold go")
+                print(f"ddpc.launch: cannot write {path}: {e}; {whose} to the console only",
+                      file=sys.stderr, flush=True)
                 f = False
             self.logs[key] = f
         if f:
@@ -813,14 +888,14 @@ class Launcher:
     def run(self) -> int:
         """Runs the job; returns the exit status for the launcher."""
         cfg = self.cfg
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) + cfg.extra_signals:
             signal.signal(sig, self._on_signal)
         if "OMP_NUM_THREADS" not in os.environ and cfg.plan.nproc > 1:
             self.say("ddpc.launch: setting OMP_NUM_THREADS=1 for each rank (as torchrun does) to "
                      "avoid oversubscribing the CPU; set it yourself to tune")
         for note in cfg.plan.notes:
             self.say(f"ddpc.launch: note: {note}")
-        cpus = os.cpu_count() or 1
+        cpus = usable_cpus()
         if cfg.plan.gpus == 0 and cfg.plan.nproc > cpus:
             self.say(f"ddpc.launch: warning: {cfg.plan.nproc} ranks on a node without GPUs and "
                      f"with {cpus} CPU(s): they share the CPUs and each step waits for the "
@@ -834,7 +909,12 @@ class Launcher:
         restart = 0
         while True:
             status, failed = self.attempt(restart)
-            if failed is None or restart >= cfg.max_restarts or self.signals:
+            if failed is None or self.signals:
+                return status
+            if restart >= cfg.max_restarts:
+                if cfg.max_restarts:
+                    self.say(f"ddpc.launch: gave up after {restart} restart(s) (--max-restarts "
+                             f"{cfg.max_restarts}): the last attempt failed too, as above")
                 return status
             restart += 1
             self.say(f"ddpc.launch: restarting all {cfg.plan.nproc} local ranks (restart "
@@ -850,10 +930,12 @@ class Launcher:
         nproc = cfg.plan.nproc
         world = cfg.nnodes * nproc
         err_dir = tempfile.mkdtemp(prefix="ddpc-launch-")
-        group = WorkerGroup(self.sink, cfg.timeout_kill)
-        base = dict(os.environ)
+        group = WorkerGroup(self.sink, cfg.timeout_kill, raw_sink=self.raw_sink)
+        base = launcher_rank_base_env(os.environ)
         if "OMP_NUM_THREADS" not in base and nproc > 1:
             base["OMP_NUM_THREADS"] = "1"
+        if cfg.bind_addr is not None:
+            base["DDPC_BIND_ADDR"] = cfg.bind_addr
         if cfg.log_dir is not None:
             self.attempt_dir = os.path.join(cfg.log_dir, f"attempt_{restart}")
         try:
@@ -869,11 +951,14 @@ class Launcher:
                                run_id=cfg.run_id, token=token, error_file=error_file,
                                cuda_visible_devices=cfg.plan.cuda_visible_devices)
                 try:
+                    # stdin is inherited, as torchrun's ranks inherit it: piped input reaches
+                    # the ranks, and breakpoint() in a rank reads the terminal (the ranks lead
+                    # sessions of their own, so the terminal is not theirs to control, but
+                    # reading it works). Several ranks reading it share it, as under torchrun.
                     proc = subprocess.Popen(
                         [sys.executable, "-m", "ddpc._worker"]
                         + (["--exec"] if cfg.no_python else []) + cfg.target, env=env,
-                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                        start_new_session=True)
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
                 except OSError as e:
                     group.stop(signal.SIGTERM, escalate=lambda: bool(self.signals))
                     self.say("ddpc.launch: " + start_failure(rank, local, nproc, e,
@@ -893,13 +978,16 @@ class Launcher:
         while True:
             if self.signals:
                 sig = self.signals[0]
-                forward = signal.SIGINT if sig == signal.SIGINT else signal.SIGTERM
+                # Ctrl-C reaches the ranks as Ctrl-C (KeyboardInterrupt); SIGTERM and SIGHUP as
+                # SIGTERM; a signal of --signals-to-handle (SLURM's SIGUSR1) as itself.
+                forward = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
+                           signal.SIGHUP: signal.SIGTERM}.get(sig, sig)
                 n_running = len(group.running())
-                group.stop(forward, escalate=lambda: len(self.signals) > 1)
+                how = group.stop(forward, escalate=lambda: len(self.signals) > 1)
                 group.finish()
                 self.say(f"ddpc.launch: got {signal_name(sig)}: stopped {n_running} running "
-                         f"rank(s) ({signal_name(forward)}, then SIGKILL after "
-                         f"{self.cfg.timeout_kill:g} s)")
+                         f"rank(s) with {signal_name(forward)}"
+                         + stop_detail(how, self.signals, self.cfg.timeout_kill))
                 return 128 + sig, None
             # running() before failures(): a rank that fails between the two calls is then
             # still running in the first, rather than missing from both and the job a success.
@@ -951,15 +1039,31 @@ _timeout_kill = _checked(float, lambda v: 0 < v <= MAX_TIMEOUT_KILL_S,
                          f"a number of seconds above 0 and at most {MAX_TIMEOUT_KILL_S:g} (how "
                          f"long ranks get to exit after SIGTERM/SIGINT before SIGKILL)")
 _port = _checked(int, lambda v: 1 <= v <= 65535, "a TCP port in 1..65535")
-_nproc = _checked(lambda t: None if t in ("auto", "gpu") else int(t),
-                  lambda v: v is None or 1 <= v <= MAX_LOCAL_RANKS,
-                  f"a positive integer up to {MAX_LOCAL_RANKS} or 'auto'")
+# torchrun's words for a number of ranks; resolve_nproc turns them into one.
+NPROC_WORDS = ("auto", "cpu", "gpu")
+_nproc = _checked(lambda t: t if t in NPROC_WORDS else int(t),
+                  lambda v: isinstance(v, str) or 1 <= v <= MAX_LOCAL_RANKS,
+                  f"a positive integer up to {MAX_LOCAL_RANKS}, or auto, cpu or gpu")
 
 # torchrun flags ddpc.launch does not have: what to do instead (refused with this advice).
 TORCHRUN_ONLY = {
     "--rdzv-conf": "ddpc's rendezvous (rank 0's store) has no options to set: drop it",
     "--role": "ddpc.launch runs one role: drop it",
+    "--logs-specs": "ddpc.launch has no pluggable log layout: --log-dir DIR writes "
+                    "DIR/attempt_K/rankR/stdout.log and stderr.log (with --redirects and --tee "
+                    "as in torchrun): drop it",
+    "--event-log-handler": "ddpc.launch emits no torchelastic events; its failure summary (and "
+                           "DIR/attempt_K/summary.log with --log-dir) says which rank failed and "
+                           "why: drop it",
+    "--numa-binding": "ddpc.launch does not pin ranks to CPUs: drop it, or run each rank under "
+                      "numactl (--no-python ./run.sh, where run.sh picks the node from "
+                      "LOCAL_RANK and runs numactl --cpunodebind=N python train.py)",
+    "--virtual-local-rank": "ddpc binds each rank to GPU LOCAL_RANK itself (ddpc.device()) and "
+                            "keeps every GPU of the job visible to every rank, so that ranks reach "
+                            "each other's memory directly (P2P): drop it (--gpus 2,3 picks the "
+                            "GPUs)",
 }
+TORCHRUN_ONLY_SWITCHES = {"--virtual-local-rank"}  # flags that take no value
 
 STREAM_CODES = {0: (), 1: ("stdout",), 2: ("stderr",), 3: ("stdout", "stderr")}
 
@@ -988,6 +1092,37 @@ def _std_spec(text: str) -> Any:
                 f"expected LOCAL_RANK:CODE pairs such as 0:3,1:1, got {text!r}")
         per[r] = code(value)
     return per
+
+
+def _signal_list(text: str) -> tuple[int, ...]:
+    """--signals-to-handle: signal names separated by commas, such as SIGTERM,SIGUSR1."""
+    sigs = []
+    for part in text.split(","):
+        name = part.strip().upper()
+        if not name:
+            continue
+        full = name if name.startswith("SIG") else "SIG" + name
+        sig = getattr(signal, full, None)
+        if not isinstance(sig, signal.Signals):
+            raise argparse.ArgumentTypeError(f"expected signal names separated by commas, such as "
+                                             f"SIGTERM,SIGUSR1; {part.strip()!r} is not a signal "
+                                             f"here")
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise argparse.ArgumentTypeError(f"{full} cannot be caught, so the launcher cannot "
+                                             f"handle it: leave it out")
+        if sig == signal.SIGCHLD:
+            raise argparse.ArgumentTypeError("SIGCHLD comes whenever a rank exits, and the "
+                                             "launcher watches the ranks itself: leave it out")
+        sigs.append(sig)
+    return tuple(dict.fromkeys(sigs))
+
+
+def _filters(text: str) -> tuple[bytes, ...]:
+    """--duplicate-*-filters, as torchrun reads them: substrings separated by commas, a double
+    comma standing for a comma in one. Empty ones are dropped (an empty one would match every
+    line)."""
+    parts = text.replace(",,", "\0").split(",")
+    return tuple(p.replace("\0", ",").encode() for p in parts if p)
 
 
 def _ranks_filter(text: str) -> tuple[int, ...]:
@@ -1067,8 +1202,11 @@ def build_parser() -> argparse.ArgumentParser:
                "the matching flags, as in torchrun.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=_nproc, default=None,
-                   metavar="N|auto", help="ranks on this node (default auto, also spelt gpu "
-                   "as in torchrun: one per visible GPU, or the number of --gpus, else 1)")
+                   metavar="N|auto|cpu|gpu", help="ranks on this node: N, or as in torchrun cpu "
+                   "(one per CPU this process may use), gpu (one per visible GPU; an error "
+                   "without one) or auto (one per visible GPU, else one per CPU); with --gpus, "
+                   "gpu and auto mean one per GPU listed. Default: one per visible GPU (or per "
+                   "--gpus), else 1")
     p.add_argument("--nnodes", type=_nnodes, default=1,
                    help="number of nodes (default 1; torchrun's N:N is accepted)")
     p.add_argument("--node-rank", "--node_rank", type=_nonneg_int, default=None,
@@ -1085,16 +1223,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", default=None, metavar="2,3|auto",
                    help="physical GPU indices for the ranks (sets CUDA_VISIBLE_DEVICES), or auto: "
                    "the idle GPUs with the most free memory (needs nvidia-smi)")
-    p.add_argument("--timeout-kill", "--timeout_kill", type=_timeout_kill, default=5.0,
+    p.add_argument("--timeout-kill", "--timeout_kill", type=_timeout_kill, default=None,
                    metavar="S", help="seconds between SIGTERM/SIGINT and SIGKILL when stopping "
-                   f"ranks (default 5, at most {MAX_TIMEOUT_KILL_S:g})")
+                   f"ranks (default {DEFAULT_TIMEOUT_KILL_S:g}, at most {MAX_TIMEOUT_KILL_S:g})")
+    p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=_timeout_kill, default=None,
+                   metavar="S", help="torchrun's name for --timeout-kill")
+    p.add_argument("--signals-to-handle", "--signals_to_handle", type=_signal_list,
+                   default=None, metavar="SIGUSR1,..",
+                   help="as torchrun: on one of these signals, send it on to the ranks and stop "
+                   "them (SIGKILL after --timeout-kill), e.g. SLURM's SIGUSR1 before the time "
+                   "limit, for ranks that checkpoint on it. SIGINT, SIGTERM and SIGHUP are "
+                   "always handled (Ctrl-C reaches the ranks as SIGINT, the others as SIGTERM)")
+    p.add_argument("--local-addr", "--local_addr", default=None, metavar="ADDR",
+                   help="this node's address for the CPU backend's TCP transport (sets "
+                   "DDPC_BIND_ADDR for the ranks), when the route to --master-addr picks the "
+                   "wrong one; NCCL picks its own interface (NCCL_SOCKET_IFNAME)")
     p.add_argument("--run-id", "--run_id", default=None,
                    help="TORCHELASTIC_RUN_ID (default: random on one node, 'none' across nodes)")
     p.add_argument("--log-dir", "--log_dir", default=None, metavar="DIR",
                    help="also write each rank's output to DIR/attempt_K/rankR/stdout.log and "
                    "stderr.log (K: the restart), and a failure's summary to "
-                   "DIR/attempt_K/summary.log; DIR is created before the ranks start. An empty "
-                   "DIR (or /dev/null) means no log files, as in torchrun")
+                   "DIR/attempt_K/summary.log; DIR is created before the ranks start. When DIR "
+                   "holds an earlier run's logs, this run's go to a new DIR/run-N (printed), so "
+                   "that runs never mix. The files hold each rank's bytes as written (no rank "
+                   "prefix). An empty DIR (or /dev/null) means no log files, as in torchrun")
     p.add_argument("--local-ranks-filter", "--local_ranks_filter", type=_ranks_filter,
                    default=None, metavar="0,2", help="show only these local ranks' output on "
                    "the console, as torchrun's flag does (the --log-dir files and a failure's "
@@ -1107,6 +1259,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as torchrun: write the output to log files as well as the console. "
                    "ddpc writes both streams of every rank to the files once there is a log "
                    "directory (--log-dir, else a new temporary one, printed)")
+    p.add_argument("--duplicate-stdout-filters", "--duplicate_stdout_filters", type=_filters,
+                   default=(), metavar="A,B", help="as torchrun: also write the ranks' stdout "
+                   "lines that contain A or B (a double comma for a comma) to "
+                   "DIR/attempt_K/filtered_stdout.log, prefixed with the rank (without "
+                   "--log-dir, in a new temporary directory, printed)")
+    p.add_argument("--duplicate-stderr-filters", "--duplicate_stderr_filters", type=_filters,
+                   default=(), metavar="A,B", help="the same for stderr, into "
+                   "filtered_stderr.log")
     p.add_argument("--standalone", action="store_true",
                    help="accepted for torchrun compatibility: one node is the default")
     rdzv = p.add_argument_group("torchrun's rendezvous flags, accepted so its commands carry over")
@@ -1123,10 +1283,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="accepted and ignored: every rank is a fresh interpreter (spawn)")
     for flag in TORCHRUN_ONLY:
         names = [flag, flag.replace("-", "_").replace("__", "--", 1)]
+        kind: dict[str, Any] = ({"action": "store_true"} if flag in TORCHRUN_ONLY_SWITCHES
+                                else {"default": None})
         p.add_argument(*dict.fromkeys(names), dest=f"torchrun_{flag[2:].replace('-', '_')}",
-                       default=None, help=argparse.SUPPRESS)
+                       help=argparse.SUPPRESS, **kind)
     p.add_argument("-m", "--module", action="store_true",
                    help="run the target as a module, like python -m")
+    p.add_argument("--run-path", "--run_path", action="store_true",
+                   help="as torchrun: run the script in the rank's interpreter, as "
+                   "runpy.run_path does, which is how ddpc runs a script anyway (it wins over "
+                   "--no-python, as in torchrun)")
     p.add_argument("--no-python", "--no_python", action="store_true",
                    help="run the target as a program (found on PATH, or a path), not as a "
                    "Python script, as torchrun's flag does: e.g. a shell script that starts "
@@ -1142,7 +1308,9 @@ def build_parser() -> argparse.ArgumentParser:
 # PyTorchJob and other operators configure nodes that way); these are the ones ddpc shares.
 PET_DESTS = ("nnodes", "node_rank", "nproc_per_node", "master_addr", "master_port",
              "max_restarts", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "standalone",
-             "log_dir", "module", "no_python", "redirects", "tee", "local_ranks_filter")
+             "log_dir", "module", "no_python", "redirects", "tee", "local_ranks_filter",
+             "run_path", "local_addr", "signals_to_handle", "shutdown_timeout",
+             "duplicate_stdout_filters", "duplicate_stderr_filters")
 
 
 def pet_defaults(parser: argparse.ArgumentParser, environ: Any) -> list[str]:
@@ -1206,25 +1374,56 @@ def _submodule_spec(name: str, locations: Any) -> Any:
     return None
 
 
-def module_problem(name: str) -> str | None:
-    """Why `python -m name` would find no module, or None when it may find one. Only finders are
-    asked: importlib.util.find_spec("pkg.sub") would import pkg, running the user's __init__ in
-    the launcher (its side effects, such as CUDA or threads, and once more than expected). So a
-    submodule is looked up in its package's directories as import would; when the package (or a
-    module) could make submodules some other way (its source mentions __path__, sys.modules,
-    ...; or it has no source), nothing is refused and the ranks find out."""
+def rank_sys_path(env: Any) -> list[str]:
+    """The sys.path a rank started with `python -m` and environment env begins with: the working
+    directory (unless PYTHONSAFEPATH is set), env's PYTHONPATH, then the interpreter's own
+    entries (the standard library, site-packages), which the ranks share with this process. This
+    process's own first entry is not theirs: under the ddpc-launch console script it is the
+    script's bin directory."""
+    own = sys.path[0 if sys.flags.safe_path else 1:]
+    ours = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    theirs = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    first = [] if env.get("PYTHONSAFEPATH") else [os.getcwd()]
+    return first + theirs + [p for p in own if os.path.abspath(p) not in ours]
+
+
+def module_problem(name: str, env: Any = None) -> str | None:
+    """Why `python -m name` in a rank (environment env, by default this one's) would find no
+    module, or None when it may find one. The ranks' sys.path is looked in (rank_sys_path), not
+    this process's. Only finders are asked: importlib.util.find_spec("pkg.sub") would import
+    pkg, running the user's __init__ in the launcher (its side effects, such as CUDA or threads,
+    and once more than expected). So a submodule is looked up in its package's directories as
+    import would; when the package (or a module) could make submodules some other way (its
+    source mentions __path__, sys.modules, ...; or it has no source), nothing is refused and the
+    ranks find out."""
+    env = os.environ if env is None else env
     parts = name.split(".")
     if not all(parts):
         return (f"{name!r} is not a module name (python -m takes a full dotted name such as "
                 f"mypkg.train)")
+    saved = sys.path[:]
+    sys.path[:] = rank_sys_path(env)
+    try:
+        return _module_problem(name, parts, env)
+    finally:
+        sys.path[:] = saved
+
+
+def _module_problem(name: str, parts: list[str], env: Any) -> str | None:
+    """module_problem's search, with sys.path already the ranks'."""
     try:
         spec = importlib.util.find_spec(parts[0])  # top level: imports nothing
     except (ImportError, ValueError):
         spec = None
     if spec is None:
         there = f": there is no package {parts[0]!r}" if len(parts) > 1 else ""
-        return (f"no module named {name!r}{there} (sys.path starts with the working directory "
-                f"{os.getcwd()})")
+        if env.get("PYTHONSAFEPATH"):
+            where = (f"PYTHONSAFEPATH is set, so the ranks' sys.path lacks the working "
+                     f"directory {os.getcwd()}")
+        else:
+            where = (f"the ranks' sys.path starts with the working directory {os.getcwd()}, "
+                     f"then PYTHONPATH")
+        return f"no module named {name!r}{there} ({where})"
     for i in range(1, len(parts)):
         parent, child = ".".join(parts[:i]), ".".join(parts[:i + 1])
         if parent in sys.modules:  # imported here already (os, json): asking runs nothing new
@@ -1271,11 +1470,84 @@ def program_problem(name: str) -> str | None:
     return None
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, as torchrun counts them for cpu)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def resolve_nproc(value: int | str | None, gpus: str | None,
+                  gpu_count: Callable[[], int] = visible_gpu_count) -> int | None:
+    """--nproc-per-node as a number, or None for one rank per visible GPU (else 1) or per GPU
+    of --gpus (gpus: that flag's value). torchrun's words: cpu, one rank per usable CPU; gpu,
+    one per visible GPU; auto, one per visible GPU, else per CPU. Raises ValueError for gpu
+    when no GPU is visible (torchrun's error too)."""
+    if value is None or isinstance(value, int):
+        return value
+    if value == "cpu":
+        return usable_cpus()
+    if gpus is not None:
+        return None  # gpu or auto with --gpus: one rank per GPU chosen there
+    count = gpu_count()
+    if count:
+        return count
+    if value == "gpu":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        why = (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+        raise ValueError(f"gpu means one rank per visible GPU, but no GPU is visible here{why}: "
+                         f"give a number of ranks (--nproc-per-node 2), or cpu for one per CPU "
+                         f"({usable_cpus()} here)")
+    return usable_cpus()
+
+
+def run_log_dir(base: str) -> str:
+    """Where this run's log files go under --log-dir base: base itself while it holds no earlier
+    run's (no attempt_* entry), else a new base/run-N (N one above the highest there, from 2, as
+    base itself held the first run), so that two runs' files never mix: a rank's files are
+    appended to, and an earlier run's later attempts would stay beside this run's."""
+    names = os.listdir(base)
+    if not any(n.startswith("attempt_") for n in names):
+        return base
+    n = max([int(m[4:]) for m in names if m.startswith("run-") and m[4:].isdigit()] + [1])
+    while True:
+        n += 1
+        path = os.path.join(base, f"run-{n}")
+        try:
+            os.mkdir(path)  # (atomic: two launchers starting together get different ones)
+            return path
+        except FileExistsError:
+            continue
+
+
+def bind_problem(addr: str) -> str | None:
+    """Why the ranks could not bind addr (--local-addr), or None when they can."""
+    try:
+        infos = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"{addr!r} cannot be resolved ({e.strerror})"
+    error: OSError | None = None
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind(sockaddr)
+            return None
+        except OSError as e:
+            error = e
+    return f"{addr!r} is not an address of this host ({error.strerror if error else 'no address'})"
+
+
 def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LaunchConfig:
     """Checks the arguments against each other and the machine; exits via parser.error."""
     for flag, advice in TORCHRUN_ONLY.items():
         if getattr(args, f"torchrun_{flag[2:].replace('-', '_')}") not in (None, False):
             parser.error(f"argument {flag}: torchrun's flag is not supported: {advice}")
+    if args.run_path:
+        if args.module:
+            parser.error("argument --run-path: runs a script file (as runpy.run_path), not a "
+                         "module: leave out -m or --run-path")
+        args.no_python = False  # torchrun's --run-path wins over --no-python
     if args.no_python:
         if args.module:
             parser.error("argument --no-python: not with -m, which runs a Python module: give "
@@ -1285,7 +1557,8 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Launch
             parser.error(f"argument script.py (with --no-python): {problem}")
         target = [args.script] + args.script_args
     elif args.module:
-        problem = module_problem(args.script)
+        problem = module_problem(args.script,
+                                 {**os.environ, "PYTHONPATH": worker_pythonpath(os.environ)})
         if problem:
             parser.error(f"argument -m/--module: {problem}; check the spelling (and that "
                          f"the package is installed or in the working directory)")
@@ -1314,6 +1587,24 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Launch
         if not os.access(args.log_dir, os.W_OK | os.X_OK):
             parser.error(f"argument --log-dir: cannot write in {args.log_dir!r} (permission "
                          f"denied): name a directory you can write in")
+    if args.shutdown_timeout is not None:
+        if args.timeout_kill is not None and args.timeout_kill != args.shutdown_timeout:
+            parser.error(f"argument --shutdown-timeout: {args.shutdown_timeout:g} differs from "
+                         f"--timeout-kill {args.timeout_kill:g} (torchrun's name for the same "
+                         f"thing): give one of them")
+        args.timeout_kill = args.shutdown_timeout
+    if args.timeout_kill is None:
+        args.timeout_kill = DEFAULT_TIMEOUT_KILL_S
+    if args.local_addr is not None:
+        bound = os.environ.get("DDPC_BIND_ADDR")
+        if bound and bound != args.local_addr:
+            parser.error(f"argument --local-addr: {args.local_addr!r} differs from "
+                         f"DDPC_BIND_ADDR={bound!r} in the environment (the same setting): give "
+                         f"one of them")
+        problem = bind_problem(args.local_addr)
+        if problem:
+            parser.error(f"argument --local-addr: {problem}: give this node's address on the "
+                         f"network the other nodes reach")
     if args.rdzv_backend is not None and args.rdzv_backend not in ("c10d", "static"):
         parser.error(f"argument --rdzv-backend: {args.rdzv_backend!r} is not supported: ddpc "
                      f"serves the rendezvous store from rank 0 itself (c10d's role); use c10d or "
@@ -1334,6 +1625,10 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Launch
             parser.error(f"argument --rdzv-id: {args.rdzv_id!r} differs from --run-id "
                          f"{args.run_id!r}: give one of them")
         args.run_id = args.rdzv_id
+    try:
+        args.nproc_per_node = resolve_nproc(args.nproc_per_node, args.gpus)
+    except ValueError as e:
+        parser.error(f"argument --nproc-per-node: {e}")
     if args.nproc_per_node is not None and args.nnodes * args.nproc_per_node > MAX_WORLD_SIZE:
         parser.error(f"--nnodes {args.nnodes} times --nproc-per-node {args.nproc_per_node} is "
                      f"{args.nnodes * args.nproc_per_node} ranks; a job has at most "
@@ -1381,10 +1676,25 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Launch
                          f"runs local ranks 0..{plan.nproc - 1}")
     wants_files = any(v for spec in (args.redirects, args.tee) if spec is not None
                       for v in (spec.values() if isinstance(spec, dict) else [spec]))
-    if wants_files and args.log_dir is None:
+    filters = {stream: needles for stream, needles in
+               (("stdout", args.duplicate_stdout_filters),
+                ("stderr", args.duplicate_stderr_filters)) if needles}
+    if (wants_files or filters) and args.log_dir is None:
         args.log_dir = tempfile.mkdtemp(prefix="ddpc-logs-")
-        print(f"ddpc.launch: --redirects/--tee without --log-dir: each rank's output goes to "
+        flags = "--redirects/--tee" if wants_files else "--duplicate-*-filters"
+        print(f"ddpc.launch: {flags} without --log-dir: each rank's output goes to "
               f"{args.log_dir}", file=sys.stderr, flush=True)
+    elif args.log_dir is not None:
+        # Last, so that a launch refused above leaves no directory behind.
+        try:
+            run_dir = run_log_dir(args.log_dir)
+        except OSError as e:
+            parser.error(f"argument --log-dir: cannot create a directory for this run in "
+                         f"{args.log_dir!r}: {e.strerror or e}")
+        if run_dir != args.log_dir:
+            print(f"ddpc.launch: --log-dir {args.log_dir} holds an earlier run's logs: this "
+                  f"run's go to {run_dir}", file=sys.stderr, flush=True)
+            args.log_dir = run_dir
     master_port = args.master_port
     if master_port is None and args.nnodes > 1:
         master_port = DEFAULT_MASTER_PORT
@@ -1394,7 +1704,11 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Launch
                         max_restarts=args.max_restarts, timeout_kill=args.timeout_kill,
                         run_id=run_id, token=token, log_dir=args.log_dir,
                         no_python=args.no_python, console_ranks=args.local_ranks_filter,
-                        redirects=args.redirects or (), tee=args.tee or ())
+                        redirects=args.redirects or (), tee=args.tee or (),
+                        bind_addr=args.local_addr, filters=filters,
+                        extra_signals=tuple(sig for sig in args.signals_to_handle or () if sig
+                                            not in (signal.SIGINT, signal.SIGTERM,
+                                                    signal.SIGHUP)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
