@@ -489,6 +489,19 @@ static int overlaps(const char *a, size_t alen, const char *b, size_t blen) {
     return a < b + blen && b < a + alen;
 }
 
+/* Whether reduce_scatter's output, written chunk by chunk, could overwrite input that a later
+ * chunk still reads. Both transports finish chunk [off, off+n) of the output only after reading
+ * [off, off+n) of every input block, and later chunks read higher offsets only. So an output that
+ * starts at or below the input writes below every later read, and one that starts on a block
+ * boundary overwrites only the part of that block already read; any other overlap (an output
+ * starting halfway into block 0, say) overwrites offsets a later chunk has yet to read. */
+static int reduce_scatter_needs_staging(const DdpcCollArgs *a, size_t es, int world) {
+    uintptr_t in = (uintptr_t)a->send, out = (uintptr_t)a->recv;
+    size_t block = a->count * es;
+    if (!overlaps(a->recv, block, a->send, (size_t)world * block) || out <= in) return 0;
+    return (out - in) % block != 0;
+}
+
 /* Each slot holds one sub-slot per rank; rank r reduces block r from its own input and the r-th
  * sub-slot of every peer. */
 static ddpc_status shm_reduce_scatter(const Coll *x) {
@@ -1345,6 +1358,32 @@ static ddpc_status run_single(const Coll *x) {
     return DDPC_OK;
 }
 
+/* An output that overlaps the input where the transports cannot write it in place
+ * (reduce_scatter_needs_staging) takes the result in a buffer of its own first, and gets it only
+ * once every input byte has been read: the same bits as with separate buffers, for an extra
+ * output-sized buffer (1/world of the input) in this rare case only. */
+static ddpc_status reduce_scatter(const Coll *x, int shm) {
+    if (!reduce_scatter_needs_staging(x->a, x->es, x->world))
+        return shm ? shm_reduce_scatter(x) : tcp_reduce_scatter(x);
+    size_t bytes = x->a->count * x->es;
+    void *staged = malloc(bytes);
+    if (!staged)
+        return ddpc_error(DDPC_ERR_NOMEM,
+                          "%s #%llu: out of host memory for a %zu-byte buffer on rank %d: the "
+                          "output overlaps the input, not at a block boundary, so the result is "
+                          "built apart before it is copied in. Pass an output that does not "
+                          "overlap the input (or is exactly this rank's block of it), or free "
+                          "host memory", x->name, x->seq, bytes, x->rank);
+    DdpcCollArgs args = *x->a;
+    args.recv = staged;
+    Coll y = *x;
+    y.a = &args;
+    ddpc_status st = shm ? shm_reduce_scatter(&y) : tcp_reduce_scatter(&y);
+    if (st == DDPC_OK) memcpy(x->a->recv, staged, bytes);
+    free(staged);
+    return st;
+}
+
 static ddpc_status run_coll(CpuComm *c, DdpcWork *w) {
     Coll x = {.c = c, .w = w, .a = &w->args, .name = ddpc_coll_name(w->args.op),
               .seq = (unsigned long long)w->seq, .rank = c->g->rank, .world = c->g->world};
@@ -1360,7 +1399,7 @@ static ddpc_status run_coll(CpuComm *c, DdpcWork *w) {
         return shm ? shm_all_gather(&x) : tcp_all_gather(&x);
     case DDPC_COLL_REDUCE_SCATTER:
         if (!x.a->count) return shm ? shm_barrier(&x) : tcp_descs(&x);
-        return shm ? shm_reduce_scatter(&x) : tcp_reduce_scatter(&x);
+        return reduce_scatter(&x, shm);
     case DDPC_COLL_BARRIER: return shm ? shm_barrier(&x) : tcp_descs(&x);
     default:
         return ddpc_error(DDPC_ERR_INVALID, "unknown collective %d", (int)w->args.op);
@@ -1382,6 +1421,9 @@ static void *comm_main(void *arg) {
         w->next = NULL;
         c->current = w;
         pthread_mutex_unlock(&c->mu);
+        /* Its timeout counts from now, not from its post: async works queued behind slow ones
+         * (or behind a rank that arrives late) are not late themselves. */
+        ddpc_work_begin(w);
         DDPC_TRACE("CPU", "rank %d: %s #%llu count %zu start", c->g->rank,
                    ddpc_coll_name(w->args.op), (unsigned long long)w->seq, w->args.count);
         ddpc_status st = run_coll(c, w);
@@ -1562,6 +1604,7 @@ fail:
 
 const DdpcBackendOps ddpc_backend_cpu = {
     .name = "cpu",
+    .deadline_from_start = 1,
     .init = cpu_init,
     .post = cpu_post,
     .wait_stream = NULL,

@@ -193,14 +193,17 @@ static void describe_prefix(const char *prefix, char *buf, size_t len);
  * posts deletes the key. */
 static atomic_int g_waiting_published;
 
+/* The stall note counts from where the timeout does (deadline_ms - timeout_ms), so its "has waited
+ * N s" and "gives up after T s" agree. A work not begun (INT64_MAX) has not waited yet. */
 int ddpc_group_stall_due(const DdpcGroup *g, DdpcWork *w) {
-    return g->stall_ms > 0 && !atomic_load(&w->stall_noted) &&
-           ddpc_now_ms() - (w->deadline_ms - g->timeout_ms) >= g->stall_ms;
+    int64_t deadline = atomic_load(&w->deadline_ms);
+    return g->stall_ms > 0 && !atomic_load(&w->stall_noted) && deadline != INT64_MAX &&
+           ddpc_now_ms() - (deadline - g->timeout_ms) >= g->stall_ms;
 }
 
 void ddpc_group_note_stall(DdpcGroup *g, DdpcWork *w, const char *what) {
     if (!ddpc_group_stall_due(g, w)) return;
-    int64_t waited = ddpc_now_ms() - (w->deadline_ms - g->timeout_ms);
+    int64_t waited = ddpc_now_ms() - (atomic_load(&w->deadline_ms) - g->timeout_ms);
     int expected = 0;
     if (!atomic_compare_exchange_strong(&w->stall_noted, &expected, 1)) return;
     char where[160], whom[64];
@@ -262,7 +265,9 @@ static int waiting_elsewhere(DdpcGroup *g, int r, char *buf, size_t len) {
     free(pv);
     if (sscanf(val, "%127s %llu %lld", prefix, &seq, &at) != 3 || strcmp(prefix, g->prefix) == 0)
         return 0;
-    /* (this collective has waited the whole timeout; a second of slack for the clocks) */
+    /* (this collective's timeout, which has just run out, began timeout_ms ago: at its post, or
+     * when it started executing on a deadline_from_start backend; a second of slack for the
+     * clocks) */
     if (at < wall_ms() - g->timeout_ms - 1000) return 0;
     describe_prefix(prefix, where, sizeof where);
     snprintf(buf, len, "never arrived (it is waiting in collective #%llu of %s: every rank must "
@@ -390,7 +395,8 @@ ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **o
     pthread_cond_init(&w->cv, NULL);
     pthread_mutex_lock(&g->mu);
     w->seq = g->next_seq++;
-    w->deadline_ms = ddpc_deadline(g->timeout_ms);
+    atomic_init(&w->deadline_ms, g->ops->deadline_from_start ? INT64_MAX
+                                                             : ddpc_deadline(g->timeout_ms));
     ddpc_status st = g->ops->post(g, w);
     pthread_mutex_unlock(&g->mu);
     if (st != DDPC_OK) {
@@ -487,6 +493,10 @@ ddpc_status ddpc_group_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *args, in
     return st;
 }
 
+void ddpc_work_begin(DdpcWork *w) {
+    atomic_store(&w->deadline_ms, ddpc_deadline(w->g->timeout_ms));
+}
+
 void ddpc_work_complete(DdpcWork *w, ddpc_status st) {
     pthread_mutex_lock(&w->mu);
     w->status = st;
@@ -514,10 +524,13 @@ void ddpc_work_release(DdpcWork *w) {
 
 ddpc_status ddpc_work_wait(DdpcWork *w) {
     /* The backend enforces the deadline and completes the work with a timeout that names the
-     * missing ranks; this grace period only guards against a backend that stopped answering. */
-    int64_t hard = w->deadline_ms == INT64_MAX ? INT64_MAX : w->deadline_ms + 30000;
+     * missing ranks; this grace period only guards against a backend that stopped answering.
+     * Read each slice: a queued work gets its deadline only when it starts (deadline_from_start),
+     * and waits behind the works before it, each of which ends by its own deadline. */
     pthread_mutex_lock(&w->mu);
     while (!atomic_load(&w->done)) {
+        int64_t deadline = atomic_load(&w->deadline_ms);
+        int64_t hard = deadline >= INT64_MAX - 30000 ? INT64_MAX : deadline + 30000;
         int64_t slice = ddpc_slice(hard, DDPC_SLICE_MS);
         if (slice <= 0 && ddpc_now_ms() >= hard) {
             pthread_mutex_unlock(&w->mu);

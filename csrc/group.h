@@ -13,7 +13,10 @@ struct DdpcWork {
     DdpcGroup *g;
     DdpcCollArgs args;
     uint64_t seq;           /* 1-based, identical on every rank for the same collective */
-    int64_t deadline_ms;    /* absolute, ddpc_now_ms() clock */
+    /* When the timeout runs out (ddpc_now_ms() clock), so deadline_ms - g->timeout_ms is when it
+     * began counting: at post, or, for a backend with deadline_from_start, at ddpc_work_begin
+     * (INT64_MAX until then). Atomic: the waiting thread reads what the backend's thread sets. */
+    _Atomic int64_t deadline_ms;
     pthread_mutex_t mu;
     pthread_cond_t cv;
     atomic_int stall_noted; /* ddpc_group_note_stall said it waits too long */
@@ -26,6 +29,11 @@ struct DdpcWork {
 
 typedef struct DdpcBackendOps {
     const char *name;
+    /* 1 (cpu): a work's timeout counts from when the backend starts executing it, as gloo's does,
+     * so a long queue of async works does not run out the clock of the last ones; the backend
+     * calls ddpc_work_begin then. 0 (nccl): from the post, as torch's NCCL watchdog counts from
+     * the enqueue (the GPU, not ddpc, decides when a queued kernel starts). */
+    int deadline_from_start;
     /* Sets g->impl and g->transport; may use the store for rendezvous. */
     ddpc_status (*init)(DdpcGroup *g);
     /* Takes a reference to w (ddpc_work_retain) and queues it; the backend calls
@@ -87,6 +95,10 @@ struct DdpcGroup {
 
 extern const DdpcBackendOps ddpc_backend_cpu;
 extern const DdpcBackendOps ddpc_backend_nccl;
+
+/* For a backend with deadline_from_start: w starts executing now, and its timeout (and the stall
+ * note's clock) with it. */
+void ddpc_work_begin(DdpcWork *w);
 
 /* Records the outcome of w and wakes its waiters. st != DDPC_OK: the message is taken from
  * ddpc_last_error() of the calling thread. */

@@ -1386,7 +1386,9 @@ static ddpc_status client_handshake(DdpcStore *c, const char *token, int64_t dea
                           "process registered as rank %d: two processes claim rank %d. Give each "
                           "process of the job its own RANK (0 to WORLD_SIZE-1), and each job its "
                           "own MASTER_PORT (a process of another job on this port, with the same "
-                          "DDPC_TOKEN, joins this one)", c->host, c->port, c->rank, c->rank);
+                          "DDPC_TOKEN, joins this one). With ddpc.launch --nnodes, each node must "
+                          "run the same --nproc-per-node and its own --node-rank", c->host,
+                          c->port, c->rank, c->rank);
     if (verdict != 1)
         return ddpc_error(DDPC_ERR_PROTOCOL, "store: unexpected verdict %d from %s:%d", verdict,
                           c->host, c->port);
