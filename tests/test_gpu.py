@@ -229,6 +229,28 @@ def _w_collectives(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -
     ddpc.all_reduce(one)
     if one.item() != sum(range(1, world + 1)):
         failures.append(f"all_reduce after a zero-element one gave {one.item()}")
+    # Strided tensors (through a contiguous copy), bool (SUM is any) and complex (SUM) on GPU,
+    # and an async all_gather's outputs written when is_completed() says so.
+    t = (torch.arange(6.0, device=dev).reshape(2, 3) + rank).t()
+    ddpc.all_reduce(t)
+    want_t = (torch.arange(6.0, device=dev).reshape(2, 3) * world + sum(range(world))).t()
+    if not torch.equal(t, want_t):
+        failures.append(f"all_reduce of a transposed tensor gave {t.tolist()}")
+    flags = torch.tensor([rank == 0, False], device=dev)
+    ddpc.all_reduce(flags)
+    if flags.tolist() != [True, False]:
+        failures.append(f"all_reduce of bool gave {flags.tolist()}")
+    z = torch.tensor([1 + 2j], dtype=torch.complex64, device=dev)
+    ddpc.all_reduce(z)
+    if z.tolist() != [complex(world, 2 * world)]:
+        failures.append(f"all_reduce of complex64 gave {z.tolist()}")
+    outs = [torch.zeros(2, device=dev) for _ in range(world)]
+    w = ddpc.all_gather(outs, torch.full((2,), rank + 1.0, device=dev), async_op=True)
+    while not w.is_completed():
+        time.sleep(0.001)
+    torch.cuda.current_stream(dev).synchronize()
+    if [o.tolist() for o in outs] != [[r + 1.0] * 2 for r in range(world)]:
+        failures.append(f"async all_gather, completed, gave {[o.tolist() for o in outs]}")
     # A barrier holds every rank until the last arrives.
     if rank == world - 1:
         time.sleep(1.0)
