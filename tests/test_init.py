@@ -83,7 +83,7 @@ rank = int(os.environ["RANK"])
 if sys.argv[1] == "rank0_absent" and rank == 0:
     sys.exit(0)
 for attempt in range(2):  # (a second group after destroy: a store of its own)
-    ddpc.init_process_group(timeout=float(sys.argv[2]))
+    ddpc.init_process_group(backend="cpu", timeout=float(sys.argv[2]))  # (any GPUs aside)
     x = np.full(3, ddpc.get_rank() + 1.0)
     ddpc.all_reduce(x)
     print(f"rank {ddpc.get_rank()} of {ddpc.get_world_size()}: {x.tolist()}", flush=True)
