@@ -927,6 +927,37 @@ def _op_for(b: "_Buffer", redop: int, what: str) -> int:
     return int({ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN}.get(redop, redop))
 
 
+_ELEMENT_BYTES = {0: 4, 1: 8, 2: 2, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1}  # by the core's dtype code
+
+
+def _is_torch(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _staged_copy(t: Any) -> Tuple[Any, Any]:
+    """(a fresh tensor like torch tensor t, a function that copies it into t)."""
+    import torch
+    c = torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    def back() -> None:
+        with torch.no_grad():
+            t.copy_(c)
+    return c, back
+
+
+def _overlaps_off_block(big: "_Buffer", small: "_Buffer", rank: int) -> bool:
+    """Whether small's memory overlaps big's anywhere but exactly at this rank's block of big
+    (the in-place layout NCCL defines for all_gather and reduce_scatter). The cpu backend stages
+    such calls itself; for device memory, the caller stages them."""
+    size = _ELEMENT_BYTES[big.dtype]
+    b0, b1 = big.ptr, big.ptr + big.count * size
+    s0, s1 = small.ptr, small.ptr + small.count * size
+    if small.count == 0 or big.count == 0 or s1 <= b0 or b1 <= s0:
+        return False
+    return s0 != b0 + rank * small.count * size
+
+
 def _staged(x: Any, writable: bool = True) -> Tuple[Any, Any]:
     """(x, None) for a C-contiguous x; else (a contiguous copy of it, and, when writable, a
     function that copies the result back into x), as gloo takes a strided tensor (a transposed
@@ -1326,6 +1357,9 @@ def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = N
     output_tensor, back = _staged(output_tensor)
     out = _as_buffer(output_tensor, "all_gather: output")
     _check_world_multiple("all_gather", "output", out, "input", inp, g.world_size)
+    if inp.device >= 0 and _is_torch(inp.owner) and _overlaps_off_block(out, inp, g.rank):
+        # (an input overlapping the output off its own slot: from a copy of it)
+        inp = _as_buffer(inp.owner.clone(), "all_gather: input", writable=False)
     return _run(g, _ALLGATHER, inp, out, inp.count, 0, 0, (inp.owner, out.owner), async_op,
                 back)
 
@@ -1511,6 +1545,11 @@ def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM, group
     output, back = _staged(output)
     out = _as_buffer(output, "reduce_scatter: output")
     _check_world_multiple("reduce_scatter", "input", inp, "output", out, g.world_size)
+    if (out.device >= 0 and back is None and _is_torch(out.owner)
+            and _overlaps_off_block(inp, out, g.rank)):
+        # (an output overlapping the input off its own block: into a copy, then back)
+        output, back = _staged_copy(out.owner)
+        out = _as_buffer(output, "reduce_scatter: output")
     redop = _op_for(inp, _reduce_op(op), "reduce_scatter")
     return _run(g, _REDUCE_SCATTER, inp, out, out.count, redop, 0, (inp.owner, out.owner),
                 async_op, back)
