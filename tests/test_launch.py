@@ -97,6 +97,16 @@ ENV_SCRIPT = f"""
 """
 
 
+def signal_and_finish(proc, sig):
+    """Sends sig to the launcher and returns its remaining (stdout, stderr) once it exited."""
+    try:
+        proc.send_signal(sig)
+        return proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def env_reports(stdout):
     """{rank: info} from the ENV lines, checking each carries its own rank's prefix."""
     reports = {}
@@ -345,12 +355,7 @@ def test_ctrl_c_stops_every_worker(tmp_path):
         time.sleep(60)
     """)
     proc, pids = start_printing_pids(["--nproc-per-node", "2", "sleepy.py"], tmp_path)
-    try:
-        proc.send_signal(signal.SIGINT)
-        rest, err = proc.communicate(timeout=20)
-    finally:
-        proc.kill()
-        proc.wait()
+    rest, err = signal_and_finish(proc, signal.SIGINT)
     assert proc.returncode == 130, err
     assert "got SIGINT: stopped 2 running rank(s) with SIGINT\n" in err, err  # no SIGKILL
     assert "KeyboardInterrupt" in err  # the workers got SIGINT first, not a bare kill
@@ -1214,12 +1219,7 @@ def test_signals_to_handle_are_sent_on_to_the_ranks(tmp_path):
     """)
     proc, pids = start_printing_pids(["--nproc-per-node", "2", "--signals-to-handle",
                                       "SIGTERM,SIGINT,SIGUSR2", "usr2.py"], tmp_path)
-    try:
-        proc.send_signal(signal.SIGUSR2)
-        rest, err = proc.communicate(timeout=20)
-    finally:
-        proc.kill()
-        proc.wait()
+    rest, err = signal_and_finish(proc, signal.SIGUSR2)
     assert proc.returncode == 128 + signal.SIGUSR2, err
     assert rest.count("checkpoint on SIGUSR2") == 2, rest
     assert "ddpc.launch: got SIGUSR2: stopped 2 running rank(s) with SIGUSR2\n" in err, err
