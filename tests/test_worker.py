@@ -71,3 +71,29 @@ def test_a_symlinked_script_imports_the_modules_beside_its_real_file(tmp_path):
     os.symlink(real / "main.py", tmp_path / "linked.py")
     out = run_launch(["linked.py"], tmp_path)
     assert "helper: from the real folder" in out, out
+
+
+def test_a_module_runs_in_a_namespace_of_its_own(tmp_path):
+    """The rank's process starts as `python -m ddpc._worker`: a -m target must not run in that
+    module's globals (a function of the user's named like the worker's replaced it, and the
+    traceback kept the worker's frames)."""
+    (tmp_path / "usermod.py").write_text(textwrap.dedent("""
+        print("clean:", "user_traceback" not in globals() and "_run_script" not in globals(),
+              flush=True)
+        def write_error_file(*args):
+            print("the user's function was called", flush=True)
+        def fail():
+            raise RuntimeError("from the user's module")
+        fail()
+    """))
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    res = subprocess.run([sys.executable, "-m", "ddpc.launch", "--nproc-per-node", "1", "-m",
+                          "usermod"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=50)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "clean: True" in res.stdout, res.stdout
+    assert "the user's function was called" not in res.stdout + res.stderr
+    summary = res.stderr[res.stderr.index("failed first"):] if "failed first" in res.stderr \
+        else res.stderr
+    assert "RuntimeError: from the user's module" in summary, res.stderr
+    assert "_worker.py" not in res.stderr and "runpy" not in res.stderr, res.stderr

@@ -65,7 +65,7 @@ def die_with_parent() -> None:
 def user_traceback(tb: TracebackType | None) -> TracebackType | None:
     """Drops the leading frames that belong to this module and runpy, so the traceback starts at
     the user's code exactly as `python script.py` would print it."""
-    skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    skip = {_THIS_FILE, os.path.abspath(runpy.__file__), "<frozen runpy>"}
     while tb is not None:  # may end at None: a SyntaxError in the script has no frame of its own
         filename = tb.tb_frame.f_code.co_filename
         if filename not in skip and os.path.abspath(filename) not in skip:
@@ -160,6 +160,18 @@ def report_uncaught_exceptions() -> None:
 
 
 _own_module = None  # this module, once a script took its place as __main__ (kept alive)
+_THIS_FILE = os.path.abspath(__file__)  # (read now: a -m target's run may rebind __file__)
+
+
+def _fresh_main() -> types.ModuleType:
+    """A new, empty __main__ module in sys.modules, this one kept alive: the user's code must
+    not run in this module's namespace (this process started as `python -m ddpc._worker`)."""
+    global _own_module
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    _own_module = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    return main
 
 
 def _run_script(script: str) -> None:
@@ -167,7 +179,6 @@ def _run_script(script: str) -> None:
     its top-level code returns (runpy.run_path restores the old one then, so its threads, its
     atexit handlers and pickles of its classes would no longer find it), with an absolute
     __file__, and sys.path[0] the directory of the script's real path (symlinks resolved)."""
-    global _own_module
     path = os.path.abspath(script)
     sys.path[0] = os.path.dirname(os.path.realpath(path))
     if not os.path.isfile(path) or path.endswith((".pyc", ".pyo")):
@@ -175,12 +186,9 @@ def _run_script(script: str) -> None:
         return
     with io.open_code(path) as f:
         code = compile(f.read(), path, "exec", dont_inherit=True)
-    main = types.ModuleType("__main__")
+    main = _fresh_main()
     main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None,
-                         __loader__=importlib.machinery.SourceFileLoader("__main__", path),
-                         __builtins__=builtins)
-    _own_module = sys.modules.get("__main__")
-    sys.modules["__main__"] = main
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
     exec(code, main.__dict__)
 
 
@@ -216,6 +224,7 @@ def main(argv: list[str]) -> None:
             # this module was itself started with -m). This is what `python -m` itself calls:
             # unlike run_module, it leaves the module in sys.modules["__main__"] afterwards.
             sys.argv = [argv[1]] + argv[2:]
+            _fresh_main()  # (_run_module_as_main runs the module in __main__'s namespace)
             runpy._run_module_as_main(argv[1], alter_argv=True)  # type: ignore[attr-defined]
         else:
             sys.argv = list(argv)
