@@ -735,6 +735,42 @@ def scenario_layouts_and_dtypes() -> Dict:
 SCENARIOS["layouts_and_dtypes"] = scenario_layouts_and_dtypes
 
 
+def scenario_settled_by_another_thread() -> Dict:
+    """Thread A polls an async all_gather's is_completed() and reads its list at once; thread
+    B runs small synchronous all-reduces on a second group, each of which finishes the ended
+    async collectives: A must never see True before the list is filled (B's copy, 16 MiB per
+    entry, takes milliseconds)."""
+    import threading
+    import ddpc
+    import torch
+    init(timeout=60.0)
+    rank, world = ddpc.get_rank(), ddpc.get_world_size()
+    side = ddpc.new_group()
+    n = 1 << 22
+
+    def hammer() -> None:
+        x = torch.zeros(1)
+        for _ in range(20000):
+            ddpc.all_reduce(x, group=side)
+    tb = threading.Thread(target=hammer)
+    tb.start()
+    early = []
+    t = torch.full((n,), rank + 1.0)
+    for it in range(40):
+        got = [torch.zeros(n) for _ in range(world)]
+        w = ddpc.all_gather(got, t, async_op=True)
+        while not w.is_completed():
+            pass
+        last = [e[-1].item() for e in got]
+        if last != [r + 1.0 for r in range(world)]:
+            early.append((it, last))
+    tb.join()
+    return {"early": early}
+
+
+SCENARIOS["settled_by_another_thread"] = scenario_settled_by_another_thread
+
+
 def scenario_destroy_unwaited() -> Dict:
     """Async collectives never waited for are finished by destroy_process_group (their arrays
     get the results; they used to be dropped), and one that fails there is a warning."""
@@ -996,6 +1032,11 @@ def test_strided_bool_and_complex_tensors_and_async_outputs(tmp_path):
         assert r["after_barrier"] == [5.0, 6.0], r
         assert r["new_group"] == ("new_group(ranks=[0, 0]): rank 0 is named twice (the ranks "
                                   "are 0..1, each named once)"), r
+
+
+def test_is_completed_waits_for_the_copy_another_thread_makes(tmp_path):
+    for r in run_job("settled_by_another_thread", 2, tmp_path, with_torch=True):
+        assert r["early"] == [], r
 
 
 def test_destroy_finishes_async_collectives_nobody_waited_for(tmp_path):

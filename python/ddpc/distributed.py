@@ -16,6 +16,7 @@ import operator
 import os
 import socket
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -1150,6 +1151,9 @@ class Work:
         self._group = group
         self._error: Optional[BaseException] = None  # what _settle's wait raised, for wait()
         if finish is not None:
+            # (finish runs once, under this lock: a thread asking is_completed() or wait() while
+            # another thread copies the outputs waits for the copy to end)
+            self._finishing = threading.Lock()
             _track_unwaited(self)
         else:
             _held.add(self)
@@ -1176,10 +1180,18 @@ class Work:
             self._work.wait(_raw_stream(_current_device()), True)
         else:
             self._work.wait()
-        if not self._done:
-            self._done = True
-            if self._finish is not None:
-                self._finish()
+        if self._finish is not None and not self._done:
+            with self._finishing:
+                if self._error is not None:
+                    raise self._error
+                if not self._done:
+                    try:
+                        self._finish()
+                    except BaseException as e:
+                        self._error = e
+                        raise
+                    finally:
+                        self._done = True
         return True
 
     def is_completed(self) -> bool:
