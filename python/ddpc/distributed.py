@@ -959,6 +959,20 @@ def _overlaps_off_block(big: "_Buffer", small: "_Buffer", rank: int) -> bool:
     return s0 != b0 + rank * small.count * size
 
 
+class _NotContiguous(ValueError):
+    """_as_buffer's answer to a strided array: the caller stages it (_buffer_of)."""
+
+
+def _buffer_of(x: Any, what: str, writable: bool = True) -> Tuple["_Buffer", Any]:
+    """(_as_buffer(x), None), or for a strided x, the buffer of a contiguous copy and the
+    function that copies the result back (_staged). A contiguous x pays nothing more."""
+    try:
+        return _as_buffer(x, what, writable), None
+    except _NotContiguous:
+        c, back = _staged(x, writable)
+        return _as_buffer(c, what, writable), back
+
+
 def _staged(x: Any, writable: bool = True) -> Tuple[Any, Any]:
     """(x, None) for a C-contiguous x; else (a contiguous copy of it, and, when writable, a
     function that copies the result back into x), as gloo takes a strided tensor (a transposed
@@ -1027,8 +1041,8 @@ def _torch_buffer(t: Any, what: str) -> _Buffer:
     if t.layout is not sys.modules["torch"].strided:
         raise TypeError(f"{what} must be a dense (strided) tensor, got layout {t.layout}")
     if not t.is_contiguous():
-        raise ValueError(f"{what} is not contiguous (shape {tuple(t.shape)}, strides "
-                         f"{t.stride()}): pass tensor.contiguous() and copy the result back")
+        raise _NotContiguous(f"{what} is not contiguous (shape {tuple(t.shape)}, strides "
+                             f"{t.stride()}): pass tensor.contiguous() and copy the result back")
     if t.is_neg():
         # Its memory holds the negated values: MIN would act as MAX, and the result be negated.
         raise ValueError(f"{what} is a negated view (torch.is_neg(): its memory holds -x, as "
@@ -1051,8 +1065,10 @@ def _torch_buffer(t: Any, what: str) -> _Buffer:
 
 def _numpy_buffer(a: Any, what: str, writable: bool) -> _Buffer:
     if not a.flags["C_CONTIGUOUS"]:
-        raise ValueError(f"{what} is not C-contiguous: pass numpy.ascontiguousarray(x) and copy "
-                         f"the result back")
+        if writable and not a.flags["WRITEABLE"]:
+            raise ValueError(f"{what} is read-only, but the collective writes its result into it")
+        raise _NotContiguous(f"{what} is not C-contiguous: pass numpy.ascontiguousarray(x) and "
+                             f"copy the result back")
     if not a.dtype.isnative:
         raise ValueError(f"{what} has non-native byte order ({a.dtype.str}): the collective would "
                          f"misread its values; pass x.astype(x.dtype.newbyteorder('='))")
@@ -1263,9 +1279,13 @@ def _all_reduce(tensor: Any, op: Any, group: Any, async_op: bool, dst: int) -> O
     """all_reduce, carrying reduce's dst (0 for a plain all_reduce) to the ranks' comparison of
     their calls (the cpu backend's): ranks that name different dst values raise MismatchError."""
     g = _group(group)
-    tensor, back = _staged(tensor)
-    b = _as_buffer(tensor, "all_reduce: tensor")
-    redop = _op_for(b, _reduce_op(op), "all_reduce")
+    try:
+        b, back = _as_buffer(tensor, "all_reduce: tensor"), None
+    except _NotContiguous:
+        b, back = _buffer_of(tensor, "all_reduce: tensor")
+    redop = _reduce_op(op)
+    if b.kind is not None:
+        redop = _op_for(b, redop, "all_reduce")
     # Small synchronous all-reduces of device memory: one kernel on the caller's stream, no Work
     # (nccl between the GPUs of one host; the backend says False when it has no such path).
     if not async_op and b.device >= 0 and g.all_reduce_now(b.ptr, b.count, b.dtype, redop,
@@ -1344,8 +1364,7 @@ def broadcast(tensor: Any, src: int = 0, group: Any = None, async_op: bool = Fal
     """Copies rank src's tensor into every rank's tensor (in place)."""
     g = _group(group)
     src = _check_rank(g, src, "src", "broadcast")
-    tensor, back = _staged(tensor, writable=g.rank != src)  # (src only reads it)
-    b = _as_buffer(tensor, "broadcast: tensor", writable=g.rank != src)
+    b, back = _buffer_of(tensor, "broadcast: tensor", writable=g.rank != src)  # (src reads it)
     return _run(g, _BROADCAST, None, b, b.count, 0, src, b.owner, async_op, back)
 
 
@@ -1365,9 +1384,8 @@ def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = N
     """output_tensor (world_size * input.numel() elements) receives every rank's input in rank
     order."""
     g = _group(group)
-    inp = _as_buffer(_staged(input_tensor, False)[0], "all_gather: input", writable=False)
-    output_tensor, back = _staged(output_tensor)
-    out = _as_buffer(output_tensor, "all_gather: output")
+    inp = _buffer_of(input_tensor, "all_gather: input", writable=False)[0]
+    out, back = _buffer_of(output_tensor, "all_gather: output")
     _check_world_multiple("all_gather", "output", out, "input", inp, g.world_size)
     if inp.device >= 0 and _is_torch(inp.owner) and _overlaps_off_block(out, inp, g.rank):
         # (an input overlapping the output off its own slot: from a copy of it)
@@ -1439,7 +1457,7 @@ def all_gather(tensor_list: List[Any], tensor: Any, group: Any = None,
                          f"arrays, got {type(tensor_list).__name__} of length "
                          f"{len(tensor_list) if hasattr(tensor_list, '__len__') else '?'}")
     flat, split = _concat_like([tensor] * g.world_size, "all_gather: tensor")
-    inp = _as_buffer(_staged(tensor, False)[0], "all_gather: tensor", writable=False)
+    inp = _buffer_of(tensor, "all_gather: tensor", writable=False)[0]
     want = (getattr(tensor, "dtype", None), _numel(tensor))
     for i, dst in enumerate(tensor_list):
         got = (getattr(dst, "dtype", None), _numel(dst))
@@ -1505,7 +1523,7 @@ def gather(tensor: Any, gather_list: Optional[List[Any]] = None, dst: int = 0,
     dst = _check_rank(g, dst, "dst", "gather")
     problem = _list_problem("gather", "gather_list", gather_list, tensor, g, dst, "dst")
     flat, split = _concat_like([tensor] * g.world_size, "gather: tensor")
-    inp = _as_buffer(_staged(tensor, False)[0], "gather: tensor", writable=False)
+    inp = _buffer_of(tensor, "gather: tensor", writable=False)[0]
     out = _as_buffer(flat, "gather: output")
 
     def finish() -> None:
@@ -1553,9 +1571,8 @@ def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM, group
     """output (n elements) receives this rank's n-element slice of the reduction of every rank's
     input (world_size * n elements)."""
     g = _group(group)
-    inp = _as_buffer(_staged(input, False)[0], "reduce_scatter: input", writable=False)
-    output, back = _staged(output)
-    out = _as_buffer(output, "reduce_scatter: output")
+    inp = _buffer_of(input, "reduce_scatter: input", writable=False)[0]
+    out, back = _buffer_of(output, "reduce_scatter: output")
     _check_world_multiple("reduce_scatter", "input", inp, "output", out, g.world_size)
     if (out.device >= 0 and back is None and _is_torch(out.owner)
             and _overlaps_off_block(inp, out, g.rank)):
