@@ -1107,6 +1107,39 @@ def test_a_reused_log_dir_keeps_each_run_apart(tmp_path):
     assert "failed first: exit code 3" in (logs / "attempt_1" / "summary.log").read_text()
 
 
+def test_two_runs_started_together_on_one_log_dir_keep_apart(tmp_path):
+    """The first run claims --log-dir as it starts, before its ranks write anything: a second
+    run started meanwhile goes to run-2 (it used to find no attempt_* yet and share the files).
+    Run A's rank says it started (a file), then writes nothing until run B's rank printed."""
+    write(tmp_path, "quiet.py", """
+        import os, sys, time
+        if sys.argv[1] == "A":
+            open("a_started", "w").close()
+            deadline = time.monotonic() + 20
+            while not os.path.exists("b_done") and time.monotonic() < deadline:
+                time.sleep(0.05)
+        print(f"run {sys.argv[1]}", flush=True)
+        if sys.argv[1] == "B":
+            open("b_done", "w").close()
+    """)
+    cmd = [sys.executable, "-m", "ddpc.launch", "--log-dir", "logs", "quiet.py"]
+    first = subprocess.Popen(cmd + ["A"], cwd=tmp_path, env=launcher_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "a_started").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rc, _, err, _ = launch(["--log-dir", "logs", "quiet.py", "B"], tmp_path)
+        assert rc == 0 and "this run's go to logs/run-2" in err, err
+        assert first.wait(timeout=30) == 0, first.communicate()
+    finally:
+        first.kill()
+        first.communicate()
+    logs = tmp_path / "logs"
+    assert (logs / "attempt_0" / "rank0" / "stdout.log").read_text() == "run A\n"
+    assert (logs / "run-2" / "attempt_0" / "rank0" / "stdout.log").read_text() == "run B\n"
+
+
 def test_log_files_keep_the_bytes_the_rank_wrote(tmp_path):
     """A line still waiting for its newline and \\r progress-bar frames reach the --log-dir
     file exactly as written; the console shows them line by line with the rank's prefix."""

@@ -1506,10 +1506,16 @@ def run_log_dir(base: str) -> str:
     """Where this run's log files go under --log-dir base: base itself while it holds no earlier
     run's (no attempt_* entry), else a new base/run-N (N one above the highest there, from 2, as
     base itself held the first run), so that two runs' files never mix: a rank's files are
-    appended to, and an earlier run's later attempts would stay beside this run's."""
+    appended to, and an earlier run's later attempts would stay beside this run's. base is
+    claimed by making its attempt_0 folder (atomic: a run started alongside one whose ranks
+    have written nothing yet does not take base too)."""
     names = os.listdir(base)
     if not any(n.startswith("attempt_") for n in names):
-        return base
+        try:
+            os.mkdir(os.path.join(base, "attempt_0"))
+            return base
+        except FileExistsError:
+            names = os.listdir(base)
     n = max([int(m[4:]) for m in names if m.startswith("run-") and m[4:].isdigit()] + [1])
     while True:
         n += 1
