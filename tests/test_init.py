@@ -112,6 +112,11 @@ def test_a_job_started_by_real_torchrun(tmp_path, how):
         assert res.stdout.count(f"rank {r} of 2: [3.0, 3.0, 3.0]") == 2, res.stdout
     if how[0] != "--standalone":
         return
+    one = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", *how]
+    res = subprocess.run(one + [str(script), "normal", "inf"], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr  # (one rank, no timeout at all)
+    assert res.stdout.count("rank 0 of 1: [1.0, 1.0, 1.0]") == 2, res.stdout
     res = subprocess.run(cmd + [str(script), "rank0_absent", "3"], capture_output=True,
                          text=True, timeout=120, env=env, cwd=tmp_path)
     assert res.returncode != 0

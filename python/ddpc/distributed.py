@@ -414,7 +414,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     try:
         if kind == "file":
             addr, port, token = _file_rendezvous(st, where, r, timeout_s)
-        elif kind == "env" and w > 1 and _torchrun_agent_store():
+        elif kind == "env" and _torchrun_agent_store():
             addr, port, token = _agent_store_rendezvous(st, r, timeout_s)
         else:
             if kind == "tcp":
@@ -483,8 +483,8 @@ def _agent_store_rendezvous(st: _State, rank: int, timeout: float) -> Tuple[str,
                            f"be imported ({e}); start the job with `python -m ddpc.launch` "
                            f"instead") from None
     try:
-        agent = TCPStore(master, agent_port, is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout))
+        agent = TCPStore(master, agent_port, is_master=False,  # (timeout=inf: a long one)
+                         timeout=datetime.timedelta(seconds=min(timeout, 1e9)))
     except (RuntimeError, ValueError) as e:
         raise _C.DistributedError(
             f"init_process_group: rank {rank} cannot reach torchrun's store at "
