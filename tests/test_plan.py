@@ -191,6 +191,30 @@ def test_activations_under_autocast_are_counted_as_cuda_autocast_saves_them():
     assert sorted(casts.values()) == [512, 512, 640], casts
 
 
+class Float32Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fp32 = torch.nn.Linear(64, 64)
+        self.low = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        with torch.autocast("cuda", enabled=False):  # (float32 on purpose, as on a GPU)
+            h = self.fp32(x.float())
+        return self.low(h).float().sum()
+
+
+def test_autocast_blocks_of_the_model_are_followed():
+    """A model's own `torch.autocast("cuda", enabled=False)` block runs in float32 under the
+    plan's autocast, as under CUDA autocast; after it, autocast is back. (A block that enables
+    another dtype cannot be checked here: a CPU-only torch disables such a block.)"""
+    with torch.device("meta"):
+        model = Float32Block()
+    act = plan.activation_bytes(model, lambda: torch.zeros(256, 64), torch.bfloat16)
+    # fp32's input, kept in float32 (256 x 64 x 4), and low's input cast to bfloat16 (x 2);
+    # the output and the loss (scalars).
+    assert act.saved == 256 * 64 * 4 + 256 * 64 * 2 + 4 + 4, act
+
+
 class MatReluSum(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

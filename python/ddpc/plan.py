@@ -130,11 +130,12 @@ def _fused_attention(original: Any, autocast: Any = None) -> Any:
         if query.device.type != "meta" or query.dim() != 4:
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        if autocast is not None:
-            query, key, value = (t.to(autocast) if t.dtype == torch.float32 else t
+        if autocast is not None and torch.is_autocast_enabled("cuda"):
+            low = torch.get_autocast_dtype("cuda")
+            query, key, value = (t.to(low) if t.dtype == torch.float32 else t
                                  for t in (query, key, value))
             if attn_mask is not None and attn_mask.dtype == torch.float32:
-                attn_mask = attn_mask.to(autocast)
+                attn_mask = attn_mask.to(low)
         if enable_gqa and key.shape[1] != query.shape[1]:
             groups = query.shape[1] // key.shape[1]
             key = key.repeat_interleave(groups, dim=1)
@@ -181,9 +182,25 @@ def _meta_autocast(dtype: Any, weight_copies: list) -> Any:
     from torch.overrides import TorchFunctionMode
 
     class MetaAutocast(TorchFunctionMode):
+        # CUDA autocast's own switch is turned on for the forward (it does nothing to meta
+        # tensors): the model's `torch.autocast("cuda", enabled=False)` blocks turn it off, and
+        # its `torch.autocast("cuda", dtype=...)` blocks set the dtype, as on a GPU; each op
+        # reads them.
         def __init__(self) -> None:
             super().__init__()
             self.cache: dict = {}
+            self.saved: Any = None
+
+        def __enter__(self) -> Any:
+            self.saved = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+            torch.set_autocast_enabled("cuda", True)
+            torch.set_autocast_dtype("cuda", dtype)
+            return super().__enter__()
+
+        def __exit__(self, *exc: Any) -> Any:
+            torch.set_autocast_enabled("cuda", self.saved[0])
+            torch.set_autocast_dtype("cuda", self.saved[1])
+            return super().__exit__(*exc)
 
         def cast(self, x: Any, to: Any) -> Any:
             if isinstance(x, (list, tuple)):
@@ -205,12 +222,14 @@ def _meta_autocast(dtype: Any, weight_copies: list) -> Any:
         def __torch_function__(self, func: Any, types: Any, args: Any = (),
                                kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
+            if not torch.is_autocast_enabled("cuda"):
+                return func(*args, **kwargs)
             name = getattr(func, "__name__", "")
             if name == "cross_entropy":
                 return cross_entropy(func, args, kwargs)
             to = None
             if name in _AUTOCAST_LOW:
-                to = dtype
+                to = torch.get_autocast_dtype("cuda")
             elif name in _AUTOCAST_FP32 and "dtype" not in kwargs:
                 to = torch.float32
             elif name in _AUTOCAST_PROMOTE:
