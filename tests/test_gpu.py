@@ -320,6 +320,30 @@ def _w_streams(rank: int, world: int, ddpc: Any, torch: Any, results: Any) -> Di
         if not torch.all(t == want).item():
             failures.append(f"async all_reduce {i} of 50 holds {t[0].item()}, expected {want}")
             break
+    # An async all_gather into a list, settled by another thread whose current stream is busy
+    # (its copies into the list queue behind a long kernel there): wait() on this thread must
+    # make this stream wait for those copies too.
+    import threading
+    n = 16 << 20
+    got = [torch.zeros(n, device=dev) for _ in range(world)]
+    w = ddpc.all_gather(got, torch.full((n,), rank + 1.0, device=dev), async_op=True)
+    side = torch.cuda.Stream(device=dev)
+
+    def settle() -> None:
+        with torch.cuda.stream(side):
+            a = torch.randn(4096, 4096, device=dev)
+            for _ in range(20):
+                a = a @ a / 64.0  # (tens of ms on the side stream, before the copies)
+            while not w.is_completed():
+                time.sleep(0.001)
+    t = threading.Thread(target=settle)
+    t.start()
+    t.join()
+    w.wait()
+    firsts = [g[0].item() for g in got] + [g[-1].item() for g in got]
+    if firsts != [r + 1.0 for r in range(world)] * 2:
+        failures.append(f"an all_gather settled by another thread's stream read {firsts} after "
+                        f"wait(): this stream did not wait for the copies")
     return {"failures": failures}
 
 

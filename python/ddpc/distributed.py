@@ -1166,6 +1166,7 @@ class Work:
         self._done = False
         self._group = group
         self._error: Optional[BaseException] = None  # what _settle's wait raised, for wait()
+        self._copied: Any = None  # on GPU: a CUDA event after finish's copies
         if finish is not None:
             # (finish runs once, under this lock: a thread asking is_completed() or wait() while
             # another thread copies the outputs waits for the copy to end)
@@ -1203,11 +1204,20 @@ class Work:
                 if not self._done:
                     try:
                         self._finish()
+                        if self._device_side:  # (the copies, queued on this thread's stream)
+                            import torch
+                            self._copied = torch.cuda.Event()
+                            self._copied.record()
                     except BaseException as e:
                         self._error = e
                         raise
                     finally:
                         self._done = True
+        elif self._copied is not None:
+            # Another thread made the copies into the outputs, on its own current stream: this
+            # thread's stream waits for them too, as for the collective.
+            import torch
+            torch.cuda.current_stream().wait_event(self._copied)
         return True
 
     def is_completed(self) -> bool:
