@@ -29,7 +29,9 @@ DEFAULT_TIMEOUT_S = 600.0
 # NCCL connects its peers when a communicator is created rather than at each first collective, so
 # a collective never blocks the host on a missing peer (its kernel waits on the GPU instead, where
 # the watchdog's deadline reaches it). NCCL reads this once per process, so set it before any
-# communicator (ddpc's or torch's) exists; an explicit user setting wins.
+# communicator (ddpc's or torch's) exists; an explicit user setting wins. (ddpc.launch does not
+# pass ddpc's own default on to the ranks: _NCCL_RUNTIME_CONNECT_IS_OURS.)
+_NCCL_RUNTIME_CONNECT_IS_OURS = "NCCL_RUNTIME_CONNECT" not in os.environ
 os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
 DEFAULT_MASTER_PORT = 29500
 
@@ -1589,7 +1591,9 @@ def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM, group
         # (an output overlapping the input off its own block: into a copy, then back)
         output, back = _staged_copy(out.owner)
         out = _as_buffer(output, "reduce_scatter: output")
-    redop = _op_for(inp, _reduce_op(op), "reduce_scatter")
+    redop = _reduce_op(op)
+    if inp.kind is not None:
+        redop = _op_for(inp, redop, "reduce_scatter")
     return _run(g, _REDUCE_SCATTER, inp, out, out.count, redop, 0, (inp.owner, out.owner),
                 async_op, back)
 

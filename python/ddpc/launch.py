@@ -550,31 +550,18 @@ def worker_pythonpath(env: dict[str, str]) -> str:
     return os.pathsep.join(p for p in (current, pkg_parent) if p)
 
 
-def _names_at_exec() -> set[str] | None:
-    """The names in this process's environment as it was started (Linux: /proc/self/environ,
-    which later os.environ changes do not touch); None where that cannot be read."""
-    try:
-        with open("/proc/self/environ", "rb") as f:
-            entries = f.read().split(b"\0")
-    except OSError:
-        return None
-    return {os.fsdecode(e.partition(b"=")[0]) for e in entries if e}
-
-
 def launcher_rank_base_env(environ: Any) -> dict[str, str]:
     """The environment the ranks of `ddpc.launch` start from: the user's, plus torchrun's
     TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless it is set (torch's NCCL then ends a rank on an error
     or timeout rather than leaving it hung). Importing ddpc set NCCL_RUNTIME_CONNECT=0 in this
-    process (ddpc.distributed does at import, for its own communicators): that is ddpc's
-    default, not the user's setting, so it is not passed on when the launcher was started
-    without it. (A rank that imports ddpc, as every rank of a Python target does through
-    ddpc._worker, sets it again in its own process.)"""
+    process when the user had not set it: that default is not passed on. (A rank that imports
+    ddpc, as every rank of a Python target does through ddpc._worker, sets it in its own
+    process.)"""
+    from ddpc import distributed
     env = dict(environ)
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    at_exec = _names_at_exec()
-    if (at_exec is not None and "NCCL_RUNTIME_CONNECT" not in at_exec
-            and env.get("NCCL_RUNTIME_CONNECT") == "0"):
-        del env["NCCL_RUNTIME_CONNECT"]
+    if distributed._NCCL_RUNTIME_CONNECT_IS_OURS:
+        env.pop("NCCL_RUNTIME_CONNECT", None)
     return env
 
 
