@@ -31,7 +31,7 @@ typedef struct {
 } ncclUniqueId;
 
 typedef int ncclResult_t;
-enum { ncclSuccess = 0, ncclInProgress = 7 };
+enum { ncclSuccess = 0, ncclSystemError = 2, ncclRemoteError = 6, ncclInProgress = 7 };
 
 typedef int ncclDataType_t;
 enum {
@@ -698,6 +698,34 @@ static int describe_dead_peers(DdpcGroup *g, char *buf, size_t len) {
     return found;
 }
 
+/* NCCL's network transport (ranks on different hosts) sees a dead peer's sockets close at about
+ * the moment rank 0's store sees its connection drop, and sometimes first: after such an error
+ * (NCCL's remote or system error), the store is asked for up to this long which rank it was. */
+#define DEAD_PEER_GRACE_MS 2000
+
+/* describe_dead_peers, waiting up to DEAD_PEER_GRACE_MS for the store's answer after an NCCL
+ * error r that a dead peer causes; at once for any other. */
+static int describe_dead_peers_after(DdpcGroup *g, ncclResult_t r, char *buf, size_t len) {
+    int grace = r == ncclRemoteError || r == ncclSystemError;
+    int64_t until = ddpc_now_ms() + (grace ? DEAD_PEER_GRACE_MS : 0);
+    size_t used = strlen(buf);
+    for (;;) {
+        int found = describe_dead_peers(g, buf, len);
+        if (found || ddpc_now_ms() >= until) return found;
+        buf[used] = '\0';
+        sleep_us(50 * 1000);
+    }
+}
+
+/* st with its message followed by the dead peers the store names, as DDPC_ERR_PEER when it names
+ * any: for a collective that NCCL refused because a peer is gone. */
+static ddpc_status name_dead_peers(DdpcGroup *g, ncclResult_t r, ddpc_status st) {
+    char msg[2048];
+    snprintf(msg, sizeof msg, "%s", ddpc_last_error());
+    if (!describe_dead_peers_after(g, r, msg, sizeof msg)) return st;
+    return ddpc_error(DDPC_ERR_PEER, "%s", msg);
+}
+
 /* What the watchdog remembers between polls about the oldest work in flight. */
 typedef struct {
     uint64_t seq;            /* the oldest work's sequence number */
@@ -736,7 +764,7 @@ static void check_health(NcclImpl *im, HeadWatch *hw) {
                  "code %d)%s%.400s", what, g->rank, im->device, g_api.GetErrorString(state), state,
                  last && last[0] ? "; NCCL says: " : "", last ? last : "");
         /* NCCL often notices a dead peer first; the store says which rank it was. */
-        int dead = describe_dead_peers(g, msg, sizeof msg);
+        int dead = describe_dead_peers_after(g, state, msg, sizeof msg);
         size_t used = strlen(msg);
         snprintf(msg + used, sizeof msg - used, ". The communicator was aborted and this process "
                  "group can no longer be used; run with NCCL_DEBUG=INFO for NCCL's own log");
@@ -1859,7 +1887,7 @@ static ddpc_status enqueue(NcclImpl *im, DdpcWork *w, cudaEvent_t pos) {
     }
     /* The communicator is blocking: the collective is on the stream when the call returns. */
     if (r != ncclSuccess) {
-        st = nccl_fail(r, name, __FILE__, __LINE__);
+        st = name_dead_peers(im->g, r, nccl_fail(r, name, __FILE__, __LINE__));
         goto fail;
     }
     DDPC_CHECK_GOTO(ddpc_trace_record(wd->trace, DDPC_TRACE_REDUCED, (uintptr_t)im->stream), st,
