@@ -447,17 +447,27 @@ typedef struct {
 /* Releases parked works that have finished (all of them when `all`: the group is gone, so every
  * work has been completed by its destroy). */
 static void reap_parked(GroupObject *self, int all) {
-    Py_ssize_t kept = 0;
-    for (Py_ssize_t i = 0; i < self->nparked; i++) {
+    Py_ssize_t n = self->nparked, kept = 0, ndrop = 0;
+    if (n == 0) return;
+    /* The arrays are let go only once the list is consistent again: letting one go can run
+     * Python code (a __del__, the gc's callback), which may reap this group again. Out of memory
+     * for that list, finished works stay parked until a later reap (all: they are let go here,
+     * the group being gone). */
+    PyObject **drop = PyMem_Malloc((size_t)n * sizeof *drop);
+    if (!drop && !all) return;
+    for (Py_ssize_t i = 0; i < n; i++) {
         Parked *p = &self->parked[i];
         if (all || ddpc_work_is_completed(p->w)) {
             ddpc_work_release(p->w);
-            Py_XDECREF(p->keep);
+            if (drop) drop[ndrop++] = p->keep;
+            else Py_XDECREF(p->keep);
         } else {
             self->parked[kept++] = *p;
         }
     }
     self->nparked = kept;
+    for (Py_ssize_t i = 0; i < ndrop; i++) Py_XDECREF(drop[i]);
+    PyMem_Free(drop);
 }
 
 /* Takes over w and keep; 0 on success, -1 when out of memory (the caller must wait instead). */
@@ -834,7 +844,19 @@ static PyGetSetDef Group_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+/* reap(): lets go of the arrays of dropped collectives that have finished, which are otherwise
+ * let go at this group's next collective (ddpc.distributed calls it from the gc's callback, so
+ * `del model; gc.collect()` frees what the model's last collectives held). */
+static PyObject *Group_reap(GroupObject *self, PyObject *unused) {
+    (void)unused;
+    reap_parked(self, 0);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Group_methods[] = {
+    {"reap", (PyCFunction)Group_reap, METH_NOARGS,
+     "reap(): let go of the arrays of dropped collectives that have finished (else at the next "
+     "collective)"},
     {"post", (PyCFunction)Group_post, METH_VARARGS,
      "post(op, send_ptr, recv_ptr, count, dtype, redop, root, device, stream, keep) -> Work"},
     {"all_reduce_now", (PyCFunction)(void (*)(void))Group_all_reduce_now, METH_FASTCALL,

@@ -161,8 +161,43 @@ def scenario_missing_after_queue() -> Dict:
     return out
 
 
+def scenario_dropped() -> Dict:
+    """Rank 1 posts an async all_reduce and drops the Work and the array at once, before rank 0
+    joins: the C core keeps the array until the collective is done. Once it is, gc.collect()
+    lets it go (its callback reaps the group), with no further collective to do it."""
+    import gc
+    import weakref
+    import ddpc
+    init()
+    ddpc.barrier()
+    store = ddpc.get_store()
+    out: Dict = {}
+    if ddpc.get_rank() == 0:
+        time.sleep(0.5)
+        ddpc.all_reduce(np.ones(BIG, np.float32))
+        store.set("edge-test/reduced", b"1")
+        store.get("edge-test/checked", 30.0)
+    else:
+        x = np.ones(BIG, np.float32)
+        ref = weakref.ref(x)
+        ddpc.all_reduce(x, async_op=True)  # (the Work, dropped here)
+        del x
+        out["alive_at_drop"] = ref() is not None
+        store.get("edge-test/reduced", 30.0)
+        t0 = time.monotonic()
+        while ref() is not None and time.monotonic() - t0 < 10.0:
+            gc.collect()
+            time.sleep(0.05)
+        out["freed"] = ref() is None
+        out["after"] = time.monotonic() - t0
+        store.set("edge-test/checked", b"1")
+    ddpc.destroy_process_group()
+    return out
+
+
 SCENARIOS = {"overlap": scenario_overlap, "queue_drain": scenario_queue_drain,
-             "straggler": scenario_straggler, "missing_after_queue": scenario_missing_after_queue}
+             "straggler": scenario_straggler, "missing_after_queue": scenario_missing_after_queue,
+             "dropped": scenario_dropped}
 
 
 if __name__ == "__main__":
@@ -229,3 +264,11 @@ def test_a_missing_rank_times_out_a_timeout_after_the_collective_started(tmp_pat
     # message then waits up to 2 s for the other ranks to say where they are: about 5.5 s in
     # all. Counting from its post would fail it at about 4 s.
     assert r1["first"] + TIMEOUT + 1.0 < r1["second"] < r1["first"] + TIMEOUT + 4.5, r1
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_dropped_collectives_array_is_let_go_at_the_next_gc(transport, tmp_path):
+    (_, _), (r1, _) = run_job("dropped", 2, tmp_path, transport)
+    assert r1["alive_at_drop"], r1  # (else the collective was done before the drop: no test)
+    assert r1["freed"], r1
+    assert r1["after"] < 5.0, r1

@@ -11,6 +11,7 @@ import atexit
 import datetime
 import enum
 import functools
+import gc
 import hashlib
 import operator
 import os
@@ -20,7 +21,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ddpc import _C
 
@@ -115,6 +116,22 @@ class _State:
 
 
 _state: Optional[_State] = None
+
+
+def _reap_dropped(phase: str, info: Dict[str, Any]) -> None:
+    """gc's callback: the arrays of dropped collectives that have finished are let go (the C core
+    keeps a dropped GPU collective's arrays until it is done, and else looks again only at the
+    group's next collective), so `del model, opt; gc.collect()` frees what the last step's
+    collectives used, as torch's watchdog does."""
+    st = _state
+    if phase != "start" or st is None:
+        return
+    for g in (st.group, *st.subgroups):
+        if g is not None:
+            g.reap()
+
+
+gc.callbacks.append(_reap_dropped)
 
 
 def _env_int(*names: str) -> Optional[int]:
