@@ -56,6 +56,15 @@ else
     stage ddp_1gpu 150 $PY benchmarks/ddp_step.py --device cuda --nproc 1 --steps 100 ${DDP_ARGS:-}
     TAIL=40 stage host_1gpu 150 $PY benchmarks/host_phases.py --nproc 1
     TAIL=12 stage main_job 120 $PY -m ddpc.launch --nproc-per-node 1 examples/finetune.py
+    # Only when STAGES names them (shared_main_job, shared_tests: about 8 minutes): the main job
+    # and the 2-rank GPU tests with both ranks on this one GPU (DDPC_SHARE_GPUS=1: NCCL's network
+    # transport between them).
+    if [[ " $STAGES " == *" shared_"* ]]; then
+        DDPC_SHARE_GPUS=1 TAIL=12 stage shared_main_job 120 $PY -m ddpc.launch \
+            --nproc-per-node 2 examples/finetune.py
+        DDPC_SHARE_GPUS=1 TAIL=8 stage shared_tests 480 $PY -m pytest -m gpu -q -ra \
+            tests/test_gpu.py tests/test_gpu_wrap_model.py -k "2gpu or not 1gpu"
+    fi
     stage latency 60 $PY benchmarks/latency.py --nproc 1 --iters 1000 --max-bytes 1048576
 fi
 stage casts 120 $PY benchmarks/cast_bandwidth.py

@@ -94,6 +94,11 @@ static const Setting SETTINGS[] = {
     {"DDPC_CPU_TRANSPORT", KIND_CHOICE, 0, 0, {"auto", "shm", "tcp", NULL},
      "how the CPU backend moves data: auto (the default: shared memory within a host, TCP "
      "across hosts), shm or tcp"},
+    {"DDPC_SHARE_GPUS", KIND_FLAG, 0, 0, {NULL},
+     "1: more ranks on a node than visible GPUs share them (local rank k binds GPU k modulo "
+     "their count, and NCCL treats each rank as a host of its own, as it refuses two ranks on "
+     "one GPU otherwise): to run or debug a multi-GPU job on fewer GPUs, slowly; 0 (the "
+     "default): a local rank without a GPU of its own is an error under NCCL"},
     {"DDPC_EMBEDDING_ROWS", KIND_CHOICE, 0, 0, {"auto", "1", "0", NULL},
      "1: embedding lookups' gradients are exchanged as rows; 0: reduced densely; auto (the "
      "default): rows where NCCL's GPUs do not reach each other directly. Every rank must set "

@@ -170,6 +170,11 @@ def test_settings_that_slow_gpu_training_are_warned_about_for_gpu_jobs_only(tmp_
     assert plan_devices(None, 2, gpu_count=lambda: 2).gpus == 2
     assert plan_devices(None, 3, gpu_count=lambda: 2).gpus == 2
     assert plan_devices(None, 2, gpu_count=lambda: 0).gpus == 0
+    # more ranks than GPUs: each has a GPU only when DDPC_SHARE_GPUS=1 lets them share
+    short = plan_devices(None, 3, gpu_count=lambda: 2)
+    assert short.rank_gpus[2] is None and "DDPC_SHARE_GPUS=1 lets ranks share" in short.notes[0]
+    with pytest.raises(ValueError, match="DDPC_SHARE_GPUS=1 to run more ranks than GPUs"):
+        plan_devices("0", 2, gpu_count=lambda: 1)
     # a job on CPUs says nothing of NCCL's settings
     write(tmp_path, "show_env.py", ENV_SCRIPT)
     rc, out, err, _ = launch(["--nproc-per-node", "1", "show_env.py"], tmp_path,
@@ -1340,3 +1345,20 @@ def test_console_script_finds_modules_where_the_ranks_do(tmp_path):
     assert res.returncode == 2, res.stderr
     assert f"no module named 'only_in_bin' (the ranks' sys.path starts with the working " \
            f"directory {tmp_path}, then PYTHONPATH)" in res.stderr, res.stderr
+
+
+def test_ranks_share_gpus_only_when_asked(monkeypatch):
+    """DDPC_SHARE_GPUS=1: more ranks than visible GPUs each get one (local rank k on GPU
+    k % count), also with --gpus; the note says they share, slowly."""
+    from ddpc.launch import plan_devices
+    monkeypatch.setenv("DDPC_SHARE_GPUS", "1")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    plan = plan_devices(None, 3, gpu_count=lambda: 2)
+    assert (plan.nproc, plan.gpus, len(plan.rank_gpus)) == (3, 3, 3), plan
+    assert plan.notes == ["3 ranks share 2 visible GPU(s) (DDPC_SHARE_GPUS=1): local rank k "
+                          "runs on GPU k % 2, slowly"], plan.notes
+    assert plan_devices(None, 2, gpu_count=lambda: 2).notes == []  # (enough GPUs: no sharing)
+    listed = plan_devices("0", 3, gpu_count=lambda: 1)
+    assert (listed.nproc, listed.gpus, listed.cuda_visible_devices) == (3, 3, "0"), listed
+    assert listed.notes == ["3 ranks share GPU(s) 0 (DDPC_SHARE_GPUS=1): local ranks 0..2 run "
+                            "on GPUs 0,0,0, slowly"], listed.notes

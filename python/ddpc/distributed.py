@@ -357,9 +357,14 @@ def _pick_backend(backend: Optional[str]) -> str:
     return b
 
 
-def _bind_device(local_rank: int, backend: str) -> Optional[int]:
+def _bind_device(local_rank: int, backend: str, rank: int = 0,
+                 local_world: int = 1) -> Optional[int]:
     """Binds this process to GPU local_rank before any other CUDA work (so no process ever creates
-    a context on someone else's GPU 0). Returns the ordinal, or None on CPU."""
+    a context on someone else's GPU 0). Returns the ordinal, or None on CPU. With
+    DDPC_SHARE_GPUS=1 and more local ranks than GPUs, local rank k binds GPU k modulo their
+    count, and NCCL_HOSTID is set to one of this rank's own: NCCL refuses two ranks of one host on
+    one GPU ("Duplicate GPU detected"), and takes ranks of different hosts through its network
+    transport, which works on one GPU."""
     ndev = _C.cuda_device_count() if _C.cuda_built() else 0
     if ndev == 0:
         if backend == "nccl":
@@ -367,18 +372,31 @@ def _bind_device(local_rank: int, backend: str) -> Optional[int]:
                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}, "
                              f"CUDA built: {bool(_C.cuda_built())}): use backend='cpu'")
         return None
+    share = bool(_C.setting_flag("DDPC_SHARE_GPUS", False))
+    ordinal = local_rank
     if local_rank >= ndev:
-        if backend == "nccl":
-            raise ValueError(
-                f"LOCAL_RANK={local_rank} but only {ndev} GPU(s) are visible "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): start at most "
-                f"{ndev} processes per node, or make more GPUs visible")
-        return None
-    _C.cuda_set_device(local_rank)
+        if not share:
+            if backend == "nccl":
+                raise ValueError(
+                    f"LOCAL_RANK={local_rank} but only {ndev} GPU(s) are visible "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): start at "
+                    f"most {ndev} processes per node, or make more GPUs visible, or set "
+                    f"DDPC_SHARE_GPUS=1 to let ranks share GPUs (slow: for running or debugging "
+                    f"a multi-GPU job on fewer GPUs)")
+            return None
+        ordinal = local_rank % ndev
+    if share and local_world > ndev and backend == "nccl":
+        os.environ["NCCL_HOSTID"] = f"{_host_id()}/ddpc-rank-{rank}"
+        if local_rank == 0:
+            warnings.warn(f"DDPC_SHARE_GPUS=1: {local_world} ranks share this node's {ndev} "
+                          f"GPU(s) (local rank k on GPU k % {ndev}); NCCL moves their data "
+                          f"through its network transport and their kernels take turns on each "
+                          f"GPU: for running or debugging, not for speed", stacklevel=3)
+    _C.cuda_set_device(ordinal)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-    return local_rank
+        torch.cuda.set_device(ordinal)
+    return ordinal
 
 
 def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None,
@@ -427,7 +445,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     st.rank, st.world_size, st.local_rank, st.local_world_size = r, w, local, local_world
     st.backend = backend_name
     st.timeout = timeout_s
-    st.device_index = _bind_device(local, backend_name)
+    st.device_index = _bind_device(local, backend_name, r, local_world)
     if r != 0:
         _await_old_store(r, timeout_s)
     try:

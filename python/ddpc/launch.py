@@ -160,6 +160,16 @@ class DevicePlan:
     gpus: int = 0                            # how many of the ranks have a GPU
 
 
+def _sharing_gpus() -> bool:
+    """DDPC_SHARE_GPUS=1 in the launcher's environment, which its ranks inherit (a value that is
+    not a flag was refused before the plan, with the others: _settings.bad_values)."""
+    try:
+        from ddpc import _C
+    except ImportError:
+        return False
+    return bool(_C.setting_flag("DDPC_SHARE_GPUS", False))
+
+
 def plan_devices(gpus: str | None, nproc: int | None,
                  gpu_count: Callable[[], int] = visible_gpu_count) -> DevicePlan:
     """Resolves --gpus and --nproc-per-node (None meaning one rank per visible GPU, else 1).
@@ -170,11 +180,16 @@ def plan_devices(gpus: str | None, nproc: int | None,
         count = gpu_count()
         n = nproc if nproc is not None else max(count, 1)
         notes = []
+        infos = _visible_gpu_infos(min(count, n))
+        if 0 < count < n and _sharing_gpus():
+            notes.append(f"{n} ranks share {count} visible GPU(s) (DDPC_SHARE_GPUS=1): local "
+                         f"rank k runs on GPU k % {count}, slowly")
+            return DevicePlan(n, None, [infos[k % count] for k in range(n)], notes, n)
         if 0 < count < n:
             notes.append(f"{n} ranks but {count} visible GPUs: local ranks {count}..{n - 1} "
-                         f"have no GPU of their own")
-        return DevicePlan(n, None, _visible_gpu_infos(min(count, n)) + [None] * (n - count),
-                          notes, min(count, n))
+                         f"have no GPU of their own (under NCCL they fail; DDPC_SHARE_GPUS=1 "
+                         f"lets ranks share GPUs, to run or debug the job on fewer, slowly)")
+        return DevicePlan(n, None, infos + [None] * (n - count), notes, min(count, n))
     if gpus == "auto":
         try:
             physical = query_gpus()
@@ -193,9 +208,18 @@ def plan_devices(gpus: str | None, nproc: int | None,
         chosen = sorted(idle[:n], key=lambda g: g.index)
         return DevicePlan(n, ",".join(str(g.index) for g in chosen), list(chosen), [], n)
     indices = parse_gpu_list(gpus)
+    if nproc is not None and nproc > len(indices) and _sharing_gpus():
+        shared = [indices[k % len(indices)] for k in range(nproc)]
+        plan = plan_devices(gpus, None, gpu_count)
+        return DevicePlan(nproc, plan.cuda_visible_devices,
+                          [plan.rank_gpus[k % len(indices)] for k in range(nproc)],
+                          [f"{nproc} ranks share GPU(s) {gpus} (DDPC_SHARE_GPUS=1): local ranks "
+                           f"0..{nproc - 1} run on GPUs {','.join(map(str, shared))}, slowly"],
+                          nproc)
     if nproc is not None and nproc != len(indices):
         raise ValueError(f"{gpus} lists {len(indices)} GPU(s) but --nproc-per-node is {nproc}; "
-                         f"each rank needs one GPU of its own (leave out --nproc-per-node)")
+                         f"each rank needs one GPU of its own (leave out --nproc-per-node, or set "
+                         f"DDPC_SHARE_GPUS=1 to run more ranks than GPUs, slowly)")
     try:
         by_index = {g.index: g for g in query_gpus()}
     except RuntimeError:
