@@ -113,6 +113,7 @@ class _State:
         self.monitored = 0  # monitored_barrier calls so far (their store keys)
         self.file_written: Optional[Tuple[str, str]] = None  # rank 0's file:// rendezvous file
         self.made_by_notebook_launcher = False  # (fn calling init again gets this group)
+        self.pid = os.getpid()  # the process whose groups these are (not a fork's child)
 
 
 _state: Optional[_State] = None
@@ -122,9 +123,10 @@ def _reap_dropped(phase: str, info: Dict[str, Any]) -> None:
     """gc's callback: the arrays of dropped collectives that have finished are let go (the C core
     keeps a dropped GPU collective's arrays until it is done, and else looks again only at the
     group's next collective), so `del model, opt; gc.collect()` frees what the last step's
-    collectives used, as torch's watchdog does."""
+    collectives used, as torch's watchdog does. Not in a forked child (a DataLoader worker):
+    the groups' threads and CUDA context are not there."""
     st = _state
-    if phase != "start" or st is None:
+    if phase != "start" or st is None or st.pid != os.getpid():
         return
     for g in (st.group, *st.subgroups):
         if g is not None:
