@@ -672,6 +672,9 @@ static ddpc_status store_set_str(DdpcGroup *g, const char *key, const char *val)
 
 /* Waits for one key per rank, "<prefix>/<fmt % r>"; on timeout the error names the ranks whose
  * key is still missing (the first 16), in words a user knows rather than as store keys. */
+/* How long a wait of group creation runs before it looks for a failure (ddpc_group_init_failure). */
+#define INIT_SLICE_MS 500
+
 static ddpc_status store_wait_ranks(DdpcGroup *g, const char *fmt) {
     int P = g->world;
     char *buf = malloc((size_t)P * 256);
@@ -688,7 +691,20 @@ static ddpc_status store_wait_ranks(DdpcGroup *g, const char *fmt) {
         ddpc_group_key(g, buf + (size_t)r * 256, 256, "%s", name);
         keys[r] = buf + (size_t)r * 256;
     }
-    ddpc_status st = ddpc_store_wait(g->store, keys, P, g->timeout_ms);
+    /* In slices: between them, whether the group can still be made (a rank died, or the store
+     * refused a process of this job); else a timeout would be the only news of it. */
+    int64_t deadline = ddpc_now_ms() + g->timeout_ms;
+    ddpc_status st;
+    for (;;) {
+        int64_t left = deadline - ddpc_now_ms();
+        st = ddpc_store_wait(g->store, keys, P, DDPC_MAX(DDPC_MIN(left, INIT_SLICE_MS), 1));
+        if (st != DDPC_ERR_TIMEOUT || left <= INIT_SLICE_MS) break;
+        char why[1600];
+        if (ddpc_group_init_failure(g, why, sizeof why)) {
+            st = ddpc_error(DDPC_ERR_PEER, "%s", why);
+            break;
+        }
+    }
     if (st == DDPC_ERR_TIMEOUT) {
         char missing[200] = "";
         size_t used = 0;

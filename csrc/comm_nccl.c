@@ -909,12 +909,9 @@ static ddpc_status init_check(DdpcGroup *g, int64_t deadline, int64_t *next_stor
     if (now < *next_store_check) return DDPC_OK;
     *next_store_check = now + STORE_CHECK_MS;
     DDPC_CHECK(ddpc_group_check_abort(g));
-    for (int r = 0; r < g->world; r++)
-        if (r != g->rank && ddpc_group_rank_dead(g, r))
-            return ddpc_error(DDPC_ERR_PEER,
-                              "rank %d exited (its store connection dropped) while rank %d was "
-                              "%s; look at rank %d's output for why it stopped",
-                              r, g->rank, step, r);
+    char why[1600];
+    if (ddpc_group_init_failure(g, why, sizeof why))
+        return ddpc_error(DDPC_ERR_PEER, "%s (rank %d was %s)", why, g->rank, step);
     return DDPC_OK;
 }
 

@@ -123,6 +123,16 @@ ddpc_status ddpc_store_server_start(const char *host, int port, const char *toke
 int ddpc_store_server_port(const DdpcStoreServer *s);
 void ddpc_store_server_stop(DdpcStoreServer *s);
 
+/* Keys the store's server sets itself: the first registered rank whose connection dropped
+ * without a clean close (its number), and why it refused a process that claimed a rank another
+ * live connection holds. A rank that fails in init_process_group (ddpc.distributed) sets
+ * DDPC_STORE_FAILED_PREFIX followed by its rank to its error's text, and
+ * DDPC_STORE_FIRST_FAILED_KEY to its rank unless another rank did first, before it leaves. */
+#define DDPC_STORE_FIRST_DEAD_KEY "ddpc/first_dead"
+#define DDPC_STORE_REFUSED_KEY "ddpc/refused"
+#define DDPC_STORE_FAILED_PREFIX "ddpc/failed/"
+#define DDPC_STORE_FIRST_FAILED_KEY "ddpc/first_failed"
+
 /* Connects (retrying while the server is not up yet, until timeout_ms), then authenticates.
  * rank >= 0 registers the connection as that rank: when it drops without a clean close, the
  * server sets the key "ddpc/dead/<rank>" so waiters learn at once that the rank is gone. */

@@ -187,6 +187,44 @@ int ddpc_group_rank_dead(DdpcGroup *g, int r) {
     return present;
 }
 
+/* A store value as text in buf (at most len - 1 bytes); 0 when the key is missing. */
+static int store_text(DdpcGroup *g, const char *key, char *buf, size_t len) {
+    const char *keys[1] = {key};
+    int present = 0;
+    if (ddpc_store_check(g->store, keys, 1, &present) != DDPC_OK || !present) return 0;
+    void *val = NULL;
+    size_t n = 0;
+    if (ddpc_store_get(g->store, key, 1000, &val, &n) != DDPC_OK) return 0;
+    snprintf(buf, len, "%.*s", (int)DDPC_MIN(n, len - 1), (const char *)val);
+    free(val);
+    return 1;
+}
+
+int ddpc_group_init_failure(DdpcGroup *g, char *buf, size_t len) {
+    char num[32], key[64], why[1200];
+    size_t used = 0;
+    buf[0] = '\0';
+    if (store_text(g, DDPC_STORE_FIRST_FAILED_KEY, num, sizeof num)) {
+        int r = atoi(num);
+        snprintf(key, sizeof key, DDPC_STORE_FAILED_PREFIX "%d", r);
+        if (!store_text(g, key, why, sizeof why)) snprintf(why, sizeof why, "(no message left)");
+        snprintf(buf, len, "rank %d failed in init_process_group %s", r, why);
+    } else if (store_text(g, DDPC_STORE_FIRST_DEAD_KEY, num, sizeof num)) {
+        snprintf(buf, len, "rank %d exited (its store connection dropped) before the group was "
+                 "made; look at its output for why it stopped", atoi(num));
+    }
+    used = strlen(buf);
+    /* Said as well when a rank failed: a second claimant of a rank is usually why (a node
+     * started with another --nproc-per-node computes other ranks and another WORLD_SIZE). */
+    if (used + 1 < len && store_text(g, DDPC_STORE_REFUSED_KEY, why, sizeof why))
+        snprintf(buf + used, len - used, "%s%s: two processes claim one rank, so this job's "
+                 "ranks do not add up to WORLD_SIZE. With ddpc.launch --nnodes (or torchrun), "
+                 "every node must run the same --nproc-per-node and its own --node-rank; else give "
+                 "each process its own RANK, and each job its own MASTER_PORT",
+                 used ? ". Also, " : "", why);
+    return buf[0] != '\0';
+}
+
 static void describe_prefix(const char *prefix, char *buf, size_t len);
 
 /* Set once this process published "ddpc/waiting/<rank>" (a timeout); the next collective it

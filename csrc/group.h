@@ -140,4 +140,10 @@ ddpc_status ddpc_group_check_abort(DdpcGroup *g);
 /* Same as ddpc_group_check_abort, plus: is rank r known dead (its store connection dropped)? */
 int ddpc_group_rank_dead(DdpcGroup *g, int r);
 
+/* For a wait of group creation, between slices: 1 with the reason in buf when the group can no
+ * longer be made because a rank of the job died (with the error it published, when it failed in
+ * init_process_group) or the store refused a process claiming a rank another holds (a node
+ * started with another --nproc-per-node); 0 otherwise. Two store checks when nothing failed. */
+int ddpc_group_init_failure(DdpcGroup *g, char *buf, size_t len);
+
 #endif /* DDPC_GROUP_H */

@@ -438,6 +438,13 @@ static void client_drop(DdpcStoreServer *s, Client *cl, const char *why) {
                      s->where, cl->rank);
         else
             DDPC_INFO("STORE", "%s: rank %d died: set %s", s->where, cl->rank, key);
+        /* The first rank to die, in one key, so a rank waiting for all the others asks once
+         * rather than once per rank (ddpc_group_init_failure). */
+        static const char first[] = DDPC_STORE_FIRST_DEAD_KEY;
+        if (!table_find(&s->table, (const uint8_t *)first, sizeof first - 1)) {
+            vn = snprintf(val, sizeof val, "%d", cl->rank);
+            (void)table_set(&s->table, (const uint8_t *)first, sizeof first - 1, val, (size_t)vn);
+        }
         s->dirty = 1;
     }
 }
@@ -674,6 +681,15 @@ static void client_authenticate(DdpcStoreServer *s, Client *cl) {
         char why[200];
         snprintf(why, sizeof why, "it registers rank %d, which client %s holds", (int)rank,
                  holder->peer);
+        /* The ranks waiting for this job's others learn it too (ddpc_group_init_failure): the
+         * refused process fails, but its job's ranks would otherwise wait out their timeout. */
+        static const char key[] = DDPC_STORE_REFUSED_KEY;
+        char val[300];
+        int vn = snprintf(val, sizeof val, "the store refused a second process claiming rank %d "
+                          "(from %s; %s holds it)", (int)rank, cl->peer, holder->peer);
+        if (vn > 0 && table_set(&s->table, (const uint8_t *)key, sizeof key - 1, val,
+                                (size_t)DDPC_MIN(vn, (int)sizeof val - 1)) == 0)
+            s->dirty = 1;
         client_drop(s, cl, why);
         return;
     }

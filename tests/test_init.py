@@ -330,9 +330,15 @@ def test_a_rank_with_another_world_size_is_told_so():
                                       (dict(env, RANK="1", WORLD_SIZE="3"), {}, 3.0)], 60)
     assert ("error", "MismatchError",
             "init_process_group: rank 1 has world_size 3, but rank 0 has 2: every rank must be "
-            "started with the same WORLD_SIZE (ddpc.launch and torchrun set it for each; check "
-            "world_size= or WORLD_SIZE where the ranks are started)") in out, out
-    assert [o[1] for o in out if o[0] == "error"].count("DistributedTimeoutError") == 1, out
+            "started with the same WORLD_SIZE (ddpc.launch and torchrun set it for each, as "
+            "--nnodes times --nproc-per-node, so every node must run the same --nproc-per-node; "
+            "check world_size= or WORLD_SIZE where the ranks are started)") in out, out
+    # Rank 0, waiting for rank 1 in the group's creation, learns why at once (it used to wait
+    # out its timeout, 3 s here).
+    peer = [o for o in out if o[0] == "error" and o[1] == "PeerError"]
+    assert len(peer) == 1, out
+    assert re.search(r"rank 1 failed in init_process_group \(pid \d+ on .+\) MismatchError: "
+                     r"init_process_group: rank 1 has world_size 3, but rank 0 has 2", peer[0][2]), out
 
 
 @pytest.fixture

@@ -387,6 +387,31 @@ def test_multi_node_ranks_on_one_host(tmp_path):
         assert info["TORCHELASTIC_RUN_ID"] == "none"
 
 
+def test_nodes_with_different_nproc_per_node_fail_fast_on_every_node(tmp_path):
+    """Node 0 runs 3 ranks, node 1 two: their ranks and WORLD_SIZE disagree. Node 1's ranks fail
+    at once (a rank claimed twice, another world size); node 0's used to wait out the whole
+    timeout for ranks that never came. They now fail within seconds too, saying why."""
+    write(tmp_path, "join.py", """\
+        import ddpc
+        ddpc.init_process_group(backend="cpu")
+        ddpc.barrier()
+    """)
+    env = launcher_env(DDPC_TOKEN="0123456789abcdef", DDPC_TIMEOUT="60")
+    port = free_port()
+    t0 = time.monotonic()
+    procs = [start([sys.executable, "-m", "ddpc.launch", "--nnodes", "2", "--node-rank",
+                    str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                    "--nproc-per-node", str(nproc), "join.py"], env, cwd=tmp_path)
+             for node, nproc in ((0, 3), (1, 2))]
+    (rc0, _, err0), (rc1, _, err1) = finish_all(procs, 90)
+    elapsed = time.monotonic() - t0
+    assert rc0 == 1 and rc1 == 1, (err0, err1)
+    assert elapsed < 30, f"took {elapsed:.0f} s (the timeout is 60 s):\n{err0}"
+    summary0 = err0[err0.index("failed first"):]
+    assert re.search(r"(each|every) node must run the same --nproc-per-node", summary0), summary0
+    assert "world_size 4, but rank 0 has 6" in summary0 or "claim" in summary0, summary0
+
+
 def test_torchrun_multi_node_flags(tmp_path):
     """A torchrun multi-node command carries over: elastic N:N, c10d, endpoint, id, underscores."""
     write(tmp_path, "show_env.py", ENV_SCRIPT)

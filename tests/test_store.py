@@ -478,11 +478,32 @@ def test_killed_rank_is_published_and_clean_close_is_not(server: int) -> None:
     c.wait(["ddpc/dead/3"], 5.0)
     assert time.monotonic() - t0 < 3.0
     assert b"rank 3" in c.get("ddpc/dead/3", 1.0)
+    assert c.get("ddpc/first_dead", 1.0) == b"3"  # (one key a waiting rank asks)
     victim.communicate()
     finish(leaver)
     assert c.get("up/4", 1.0) == b"1"
     time.sleep(0.5)  # as long as the kill took to be noticed, with margin
     assert not c.check(["ddpc/dead/4"])
+    # a second death leaves the first one named
+    other = spawn(RANK_CLIENT, server, "5", "sleep")
+    c.wait(["up/5"], 15.0)
+    other.kill()
+    c.wait(["ddpc/dead/5"], 5.0)
+    other.communicate()
+    assert c.get("ddpc/first_dead", 1.0) == b"3"
+
+
+def test_a_second_claimant_of_a_rank_is_refused_and_recorded(server: int) -> None:
+    """The store refuses a process that registers a rank a live connection holds, and records
+    why under ddpc/refused, for the job's ranks that wait for the others."""
+    c = client(server)
+    holder = client(server, rank=2)
+    assert not c.check(["ddpc/refused"])
+    with pytest.raises(ddpc.MismatchError, match="two processes claim rank 2"):
+        client(server, rank=2)
+    why = c.get("ddpc/refused", 5.0).decode()
+    assert why.startswith("the store refused a second process claiming rank 2 (from 127.0.0.1:"), why
+    holder.close()
 
 
 # ---------------------------------------------------------------- Ctrl-C

@@ -487,10 +487,45 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
                             transport=_cpu_transport(), host_id=_host_id(),
                             bind_addr=_local_addr_towards(addr),
                             device=-1 if st.device_index is None else st.device_index)
-    except BaseException:
+    except BaseException as e:
+        _publish_init_failure(st, r, e)
+        if r == 0 and isinstance(e, _C.PeerError):
+            _await_failed_ranks(st)
         _release(st)
         raise
     _state = st
+
+
+def _publish_init_failure(st: _State, rank: int, e: BaseException) -> None:
+    """Tells the job's other ranks, waiting in init_process_group for this one, why it failed
+    (ddpc_group_init_failure in csrc/group.c reads these keys, named in csrc/ddpc.h): else they
+    would wait out their timeout. Best effort: the store may be what failed."""
+    if st.store is None or st.world_size < 2:
+        return
+    try:
+        st.store.set(f"ddpc/failed/{rank}", f"(pid {os.getpid()} on {socket.gethostname()}) "
+                                             f"{type(e).__name__}: {e}"[:1100])
+        st.store.compare_set("ddpc/first_failed", b"", str(rank).encode())
+    except Exception:  # noqa: BLE001 (the original error is the one to raise)
+        pass
+
+
+def _await_failed_ranks(st: _State, limit_s: float = 1.0) -> None:
+    """Rank 0, failing in init_process_group because a peer did: its store, which goes with it,
+    still tells the ranks that wait in the group's creation why, for up to limit_s (twice their
+    slice between looks) or until each has failed too; else some would only learn that the store
+    is gone. (Rank 0's own timeout is not waited on: the launcher names it as the cause.)"""
+    if st.server is None or st.store is None or st.world_size < 2:
+        return
+    deadline = time.monotonic() + limit_s
+    pending = set(range(1, st.world_size))
+    try:
+        while pending and time.monotonic() < deadline:
+            pending = {r for r in pending if not st.store.check([f"ddpc/failed/{r}"])
+                       and not st.store.check([f"ddpc/dead/{r}"])}
+            time.sleep(0.02)
+    except _C.DistributedError:
+        pass
 
 
 _agent_inits = 0  # init_process_group calls under torchrun's agent store, in this process
@@ -583,7 +618,8 @@ def _check_world_size(st: _State, timeout_s: float) -> None:
         raise _C.MismatchError(
             f"init_process_group: rank {st.rank} has world_size {st.world_size}, but rank 0 has "
             f"{theirs}: every rank must be started with the same WORLD_SIZE (ddpc.launch and "
-            f"torchrun set it for each; check world_size= or WORLD_SIZE where the ranks are "
+            f"torchrun set it for each, as --nnodes times --nproc-per-node, so every node must "
+            f"run the same --nproc-per-node; check world_size= or WORLD_SIZE where the ranks are "
             f"started)")
 
 
