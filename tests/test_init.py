@@ -485,3 +485,35 @@ def test_single_process_and_double_init(clean_env):
     assert not ddpc.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         ddpc.all_reduce(x)
+
+
+def test_a_multi_node_master_addr_that_is_loopback_here_is_served_on_every_interface(
+        monkeypatch):
+    """Debian's /etc/hosts gives a host's own name 127.0.1.1. As MASTER_ADDR of a job that spans
+    nodes, that name reaches node 0 from the others but is loopback on node 0 itself: rank 0
+    serves the store on every interface then (saying so), and the TCP transport binds a
+    non-loopback address. A literal loopback address (every node on one host) stays as it is."""
+    import socket
+    from ddpc import distributed as dist
+    real = socket.gethostbyname
+    monkeypatch.setattr(socket, "gethostbyname",
+                        lambda name: "127.0.1.1" if name == "node0.example" else real(name))
+    with pytest.warns(UserWarning, match=r"MASTER_ADDR=node0\.example resolves to 127\.0\.1\.1 on "
+                                         r"this host .* serves the store on every interface"):
+        assert dist._server_bind_addr("node0.example", multi_node=True) == "0.0.0.0"
+    assert dist._server_bind_addr("node0.example", multi_node=False) == "127.0.1.1"
+    assert dist._server_bind_addr("127.0.0.1", multi_node=True) == "127.0.0.1"
+    reachable = dist._reachable_addr()
+    assert reachable is None or not reachable.startswith("127."), reachable
+    if reachable is not None:
+        # served on every interface: a client reaches it at this host's network address
+        with pytest.warns(UserWarning):
+            server = dist._serve_store("node0.example", 0, "t-any", multi_node=True)
+        try:
+            dist._C.Store(reachable, server.port, "t-any", -1, 5.0).close()
+        finally:
+            server.stop()
+    monkeypatch.setattr(dist, "_reachable_addr", lambda: "10.1.2.3")
+    assert dist._local_addr_towards("node0.example", multi_node=True) == "10.1.2.3"
+    assert dist._local_addr_towards("node0.example", multi_node=False) == "127.0.0.1"
+    assert dist._local_addr_towards("127.0.0.1", multi_node=True) == "127.0.0.1"

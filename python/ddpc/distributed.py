@@ -477,7 +477,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
                                      "other ranks must know the port; export a free port")
             token = _job_token(addr, port, w)
             if r == 0:
-                st.server = _serve_store(addr, port, token)
+                st.server = _serve_store(addr, port, token, _multi_node(st))
                 port = st.server.port
         st.master = (addr, port)
         st.store = _C.Store(addr, port, token, r, timeout_s)
@@ -485,7 +485,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         st.group = _C.Group(st.store, r, w, local_rank=local, local_world_size=local_world,
                             backend=backend_name, timeout=timeout_s, prefix="g0",
                             transport=_cpu_transport(), host_id=_host_id(),
-                            bind_addr=_local_addr_towards(addr),
+                            bind_addr=_local_addr_towards(addr, _multi_node(st)),
                             device=-1 if st.device_index is None else st.device_index)
     except BaseException as e:
         _publish_init_failure(st, r, e)
@@ -566,7 +566,7 @@ def _agent_store_rendezvous(st: _State, rank: int, timeout: float) -> Tuple[str,
             f"{e}") from None
     if rank == 0:
         token = os.environ.get("DDPC_TOKEN") or os.urandom(16).hex()
-        addr = _local_addr_towards(master)
+        addr = _local_addr_towards(master, _multi_node(st))
         st.server = _C.StoreServer(addr, 0, token)
         agent.set(key, f"{addr} {st.server.port} {token}")
         return addr, st.server.port, token
@@ -580,11 +580,11 @@ def _agent_store_rendezvous(st: _State, rank: int, timeout: float) -> Tuple[str,
     return addr, int(port), token
 
 
-def _serve_store(addr: str, port: int, token: str) -> Any:
+def _serve_store(addr: str, port: int, token: str, multi_node: bool = False) -> Any:
     """Rank 0's store server. When the port is taken by a store of this very job (it accepts
     our token), another process was started as rank 0 too: that is what the error says."""
     try:
-        return _C.StoreServer(_server_bind_addr(addr), port, token)
+        return _C.StoreServer(_server_bind_addr(addr, multi_node), port, token)
     except _C.DistributedError as e:
         if port == 0 or "Address already in use" not in str(e):
             raise
@@ -627,18 +627,66 @@ def _cpu_transport() -> int:
     return {"auto": 0, "shm": 1, "tcp": 2}[_C.setting("DDPC_CPU_TRANSPORT") or "auto"]
 
 
-def _server_bind_addr(addr: str) -> str:
-    """The address rank 0 serves on: MASTER_ADDR itself (never all interfaces unless asked)."""
+def _multi_node(st: _State) -> bool:
+    """The job has ranks on other nodes (its WORLD_SIZE exceeds this node's LOCAL_WORLD_SIZE)."""
+    return st.world_size > st.local_world_size
+
+
+def _loopback_name(addr: str) -> Optional[str]:
+    """The loopback address a host name (not localhost or a loopback literal) resolves to here,
+    else None. Debian's /etc/hosts gives a host's own name 127.0.1.1: as MASTER_ADDR of a job
+    that spans nodes, that name reaches this host from the others but loopback here."""
+    if addr in ("localhost", "::1") or addr.startswith("127."):
+        return None
+    try:
+        ip = socket.gethostbyname(addr)
+    except OSError:
+        return None
+    return ip if ip.startswith("127.") else None
+
+
+def _reachable_addr() -> Optional[str]:
+    """A non-loopback IPv4 address of this host: the source of its default route (a UDP socket
+    connected to an outside address sends nothing), else one its name resolves to; None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # (TEST-NET-1: only the route is looked up)
+            ip = s.getsockname()[0]
+            if not ip.startswith("127.") and ip != "0.0.0.0":
+                return ip
+        except OSError:
+            pass
+    try:
+        return next(ip for ip in socket.gethostbyname_ex(socket.getfqdn())[2]
+                    if not ip.startswith("127."))
+    except (OSError, StopIteration):
+        return None
+
+
+def _server_bind_addr(addr: str, multi_node: bool = False) -> str:
+    """The address rank 0 serves on: MASTER_ADDR itself (never all interfaces unless asked), but
+    every interface in a multi-node job whose MASTER_ADDR names this host yet resolves to loopback
+    here (the other nodes could not connect; clients authenticate with the job's token)."""
     if addr in ("localhost", "127.0.0.1", "::1", "0.0.0.0"):
         return "127.0.0.1" if addr == "localhost" else addr
+    loop = _loopback_name(addr) if multi_node else None
+    if loop is not None:
+        warnings.warn(f"MASTER_ADDR={addr} resolves to {loop} on this host (loopback: /etc/hosts "
+                      f"maps the host's own name there), which the job's other nodes cannot "
+                      f"reach: rank 0 serves the store on every interface instead. Set "
+                      f"MASTER_ADDR to this host's network address to avoid this", stacklevel=4)
+        return "0.0.0.0"
     try:
         return socket.gethostbyname(addr)
     except OSError:
         return addr
 
 
-def _local_addr_towards(addr: str) -> str:
-    """This host's address as seen on the route to the store (for the TCP data transport)."""
+def _local_addr_towards(addr: str, multi_node: bool = False) -> str:
+    """This host's address as seen on the route to the store (for the TCP data transport, and the
+    store's address under torchrun). In a multi-node job whose MASTER_ADDR resolves to loopback
+    here (see _loopback_name), a non-loopback address of this host: the other nodes' ranks
+    connect to it. DDPC_BIND_ADDR overrides both."""
     override = os.environ.get("DDPC_BIND_ADDR")
     if override:
         return override
@@ -647,6 +695,10 @@ def _local_addr_towards(addr: str) -> str:
     except OSError:
         return "127.0.0.1"
     if ip.startswith("127."):
+        if multi_node and _loopback_name(addr) is not None:
+            reachable = _reachable_addr()
+            if reachable is not None:
+                return reachable
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
@@ -928,7 +980,8 @@ def new_group(ranks: Optional[Sequence[int]] = None, timeout: Any = None,
         g = _C.Group(st.store, st.rank, st.world_size, local_rank=st.local_rank,
                      local_world_size=st.local_world_size, backend=b, timeout=seconds,
                      prefix=f"g{st.groups_made}", transport=_cpu_transport(),
-                     host_id=_host_id(), bind_addr=_local_addr_towards(st.master[0]),
+                     host_id=_host_id(),
+                     bind_addr=_local_addr_towards(st.master[0], _multi_node(st)),
                      device=-1 if b != "nccl" else st.device_index)
     except _C.DistributedTimeoutError as e:
         raise _C.DistributedTimeoutError(
