@@ -670,11 +670,11 @@ static ddpc_status store_set_str(DdpcGroup *g, const char *key, const char *val)
     return ddpc_store_set(g->store, key, val, strlen(val));
 }
 
-/* Waits for one key per rank, "<prefix>/<fmt % r>"; on timeout the error names the ranks whose
- * key is still missing (the first 16), in words a user knows rather than as store keys. */
 /* How long a wait of group creation runs before it looks for a failure (ddpc_group_init_failure). */
 #define INIT_SLICE_MS 500
 
+/* Waits for one key per rank, "<prefix>/<fmt % r>"; on timeout the error names the ranks whose
+ * key is still missing (the first 16), in words a user knows rather than as store keys. */
 static ddpc_status store_wait_ranks(DdpcGroup *g, const char *fmt) {
     int P = g->world;
     char *buf = malloc((size_t)P * 256);

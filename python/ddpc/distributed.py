@@ -632,11 +632,16 @@ def _multi_node(st: _State) -> bool:
     return st.world_size > st.local_world_size
 
 
+def _names_loopback(addr: str) -> bool:
+    """addr is localhost or a loopback literal: every rank on one host, on purpose."""
+    return addr in ("localhost", "::1") or addr.startswith("127.")
+
+
 def _loopback_name(addr: str) -> Optional[str]:
-    """The loopback address a host name (not localhost or a loopback literal) resolves to here,
-    else None. Debian's /etc/hosts gives a host's own name 127.0.1.1: as MASTER_ADDR of a job
-    that spans nodes, that name reaches this host from the others but loopback here."""
-    if addr in ("localhost", "::1") or addr.startswith("127."):
+    """The loopback address a host name (not one _names_loopback knows) resolves to here, else
+    None. Debian's /etc/hosts gives a host's own name 127.0.1.1: as MASTER_ADDR of a job that
+    spans nodes, that name reaches this host from the others but loopback here."""
+    if _names_loopback(addr):
         return None
     try:
         ip = socket.gethostbyname(addr)
@@ -695,7 +700,7 @@ def _local_addr_towards(addr: str, multi_node: bool = False) -> str:
     except OSError:
         return "127.0.0.1"
     if ip.startswith("127."):
-        if multi_node and _loopback_name(addr) is not None:
+        if multi_node and not _names_loopback(addr):
             reachable = _reachable_addr()
             if reachable is not None:
                 return reachable

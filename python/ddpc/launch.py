@@ -208,15 +208,8 @@ def plan_devices(gpus: str | None, nproc: int | None,
         chosen = sorted(idle[:n], key=lambda g: g.index)
         return DevicePlan(n, ",".join(str(g.index) for g in chosen), list(chosen), [], n)
     indices = parse_gpu_list(gpus)
-    if nproc is not None and nproc > len(indices) and _sharing_gpus():
-        shared = [indices[k % len(indices)] for k in range(nproc)]
-        plan = plan_devices(gpus, None, gpu_count)
-        return DevicePlan(nproc, plan.cuda_visible_devices,
-                          [plan.rank_gpus[k % len(indices)] for k in range(nproc)],
-                          [f"{nproc} ranks share GPU(s) {gpus} (DDPC_SHARE_GPUS=1): local ranks "
-                           f"0..{nproc - 1} run on GPUs {','.join(map(str, shared))}, slowly"],
-                          nproc)
-    if nproc is not None and nproc != len(indices):
+    share = nproc is not None and nproc > len(indices) and _sharing_gpus()
+    if nproc is not None and nproc != len(indices) and not share:
         raise ValueError(f"{gpus} lists {len(indices)} GPU(s) but --nproc-per-node is {nproc}; "
                          f"each rank needs one GPU of its own (leave out --nproc-per-node, or set "
                          f"DDPC_SHARE_GPUS=1 to run more ranks than GPUs, slowly)")
@@ -234,6 +227,12 @@ def plan_devices(gpus: str | None, nproc: int | None,
         present = ", ".join(map(str, sorted(by_index))) or "none"
         raise ValueError(f"GPU index {missing[0]} is not present on this machine "
                          f"(GPUs present: {present})")
+    if share:
+        shared = [indices[k % len(indices)] for k in range(nproc)]
+        return DevicePlan(nproc, ",".join(map(str, indices)), [by_index[i] for i in shared],
+                          [f"{nproc} ranks share GPU(s) {gpus} (DDPC_SHARE_GPUS=1): local ranks "
+                           f"0..{nproc - 1} run on GPUs {','.join(map(str, shared))}, slowly"],
+                          nproc)
     return DevicePlan(len(indices), ",".join(map(str, indices)),
                       [by_index[i] for i in indices], [], len(indices))
 
