@@ -2,6 +2,7 @@
 GPUs: `python -m pytest -m gpu tests/test_gpu.py`). Each multi-rank test starts 2 real processes
 (spawn), one per GPU, through the public API (ddpc.init_process_group(backend="nccl")), and
 checks results against references computed on the host."""
+import hashlib
 import os
 import queue
 import re
@@ -821,6 +822,7 @@ def _w_rows_exchange(rank: int, world: int, ddpc: Any, torch: Any,
                         dtype=torch.float64)
     stream = torch.cuda.current_stream(dev).cuda_stream
     codes = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 3}
+    digests: List[str] = []
     for wire, no_grad_rank in ((torch.float32, -1), (torch.bfloat16, -1), (torch.float32, 0)):
         ids, rows = lookups[rank]
         sid, perm = torch.sort(ids.to(dev), stable=True)
@@ -843,15 +845,25 @@ def _w_rows_exchange(rank: int, world: int, ddpc: Any, torch: Any,
                 part = w[keep].to(wire).double() / world
                 ref.index_put_((i[keep],), part, accumulate=True)
                 mag.index_put_((i[keep],), part.abs(), accumulate=True)
-        out = grad.double().cpu()
+        mine = grad.cpu()
+        out = mine.double()
         over = ((out - ref).abs() - mag * (run + world + 2) * 2.0 ** -24).max().item()
+        case = f"wire {wire}, no gradient on rank {no_grad_rank}"
         if over > 0:
-            failures.append(f"wire {wire}, no gradient on rank {no_grad_rank}: off the exact sum "
-                            f"by {over:.3g} more than float32 accumulation allows")
+            failures.append(f"{case}: off the exact sum by {over:.3g} more than float32 "
+                            f"accumulation allows")
+        # the same bits on every rank: compared by the parent (digests) and through an all-gather
+        digests.append(hashlib.sha256(mine.numpy().tobytes()).hexdigest()[:16])
         every = [torch.empty_like(grad) for _ in range(world)]
         ddpc.all_gather(every, grad)
-        if not all(torch.equal(e, every[0]) for e in every):
-            failures.append(f"wire {wire}: the ranks' results differ in their bits")
+        got = [e.cpu() for e in every]
+        if not all(torch.equal(e, got[0]) for e in got):
+            diff = [int((e != got[0]).sum()) for e in got]
+            failures.append(f"{case}: the gathered results differ in their bits: elements "
+                            f"unequal to rank 0's per rank {diff} of {mine.numel()}; this rank's "
+                            f"own entry equals its result: {torch.equal(got[rank], mine)}; "
+                            f"digests of the entries "
+                            f"{[hashlib.sha256(e.numpy().tobytes()).hexdigest()[:16] for e in got]}")
     ids, rows = lookups[rank]
     for what, kw, match in (("a buffer one byte short", {"short": 1}, "need"),
                             ("more rows than slots", {"cap": ids.numel() - 1}, "slots")):
@@ -865,7 +877,7 @@ def _w_rows_exchange(rank: int, world: int, ddpc: Any, torch: Any,
         except ValueError as e:
             if match not in str(e):
                 failures.append(f"{what}: {e}")
-    return {"failures": failures}
+    return {"failures": failures, "digests": digests}
 
 
 # One rank on one GPU runs the same code paths (NCCL communicator, communication stream, events,
@@ -973,7 +985,11 @@ def test_stream_ordering_and_async(world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_rows_exchange_against_index_put(world):
-    _assert_no_failures(_run_ranks(_w_rows_exchange, world=world))
+    res = _run_ranks(_w_rows_exchange, world=world)
+    _assert_no_failures(res)
+    digests = {r: out["digests"] for r, out in res.items()}
+    assert len({tuple(d) for d in digests.values()}) == 1, (
+        f"the ranks' results differ in their bits (sha256 prefixes per case): {digests}")
 
 
 @pytest.mark.parametrize("world", WORLDS)
