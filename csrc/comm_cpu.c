@@ -1524,16 +1524,26 @@ static void cpu_destroy(DdpcGroup *g) {
 }
 
 /* ddpc_group_wait_idle: the communication thread has nothing queued or running. Each work ends
- * by its deadline at the latest, so this ends too. */
+ * by its deadline at the latest, so this ends too, unless the thread is stuck: then it fails
+ * (ddpc_group_backend_stuck). */
 static ddpc_status cpu_wait_idle(DdpcGroup *g) {
     CpuComm *c = g->impl;
     if (!c) return DDPC_OK;
+    int64_t since = ddpc_now_ms();
     for (;;) {
         pthread_mutex_lock(&c->mu);
         int busy = (c->head || c->current) && !c->stop;
         pthread_mutex_unlock(&c->mu);
         if (!busy) return DDPC_OK;
         DDPC_CHECK(ddpc_check_interrupt());
+        if (ddpc_group_backend_stuck(g, since))
+            return ddpc_error(DDPC_ERR_TIMEOUT,
+                              "waiting for rank %d's collectives to end: the cpu backend has "
+                              "begun or ended none for %.0f s (the timeout plus %.0f s) and "
+                              "stopped answering; this is a bug in ddpc, please report it with "
+                              "the ranks' stacks (py-spy dump --native --pid PID)", g->rank,
+                              (double)(g->timeout_ms + g->grace_ms) / 1000.0,
+                              (double)g->grace_ms / 1000.0);
         poll(NULL, 0, 2);
     }
 }

@@ -50,6 +50,8 @@ ddpc_status ddpc_group_create(const DdpcGroupConfig *cfg, DdpcGroup **out) {
     g->local_rank = cfg->local_rank >= 0 ? cfg->local_rank : cfg->rank;
     g->local_world = cfg->local_world_size > 0 ? cfg->local_world_size : cfg->world_size;
     g->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 600000;
+    g->grace_ms = 30000;
+    atomic_init(&g->progress_ms, ddpc_now_ms());
     double stall_s = 60.0;
     DDPC_CHECK(ddpc_setting_number("DDPC_STALL_WARN", 60.0, &stall_s));
     g->stall_ms = (int64_t)(stall_s * 1000.0);
@@ -433,6 +435,7 @@ ddpc_status ddpc_group_post(DdpcGroup *g, const DdpcCollArgs *args, DdpcWork **o
     pthread_cond_init(&w->cv, NULL);
     pthread_mutex_lock(&g->mu);
     w->seq = g->next_seq++;
+    w->posted_ms = ddpc_now_ms();
     atomic_init(&w->deadline_ms, g->ops->deadline_from_start ? INT64_MAX
                                                              : ddpc_deadline(g->timeout_ms));
     ddpc_status st = g->ops->post(g, w);
@@ -532,10 +535,17 @@ ddpc_status ddpc_group_all_reduce_now(DdpcGroup *g, const DdpcCollArgs *args, in
 }
 
 void ddpc_work_begin(DdpcWork *w) {
+    atomic_store(&w->g->progress_ms, ddpc_now_ms());
     atomic_store(&w->deadline_ms, ddpc_deadline(w->g->timeout_ms));
 }
 
+int ddpc_group_backend_stuck(DdpcGroup *g, int64_t since_ms) {
+    int64_t last = DDPC_MAX(atomic_load(&g->progress_ms), since_ms);
+    return ddpc_now_ms() - last >= g->timeout_ms + g->grace_ms;
+}
+
 void ddpc_work_complete(DdpcWork *w, ddpc_status st) {
+    if (w->g) atomic_store(&w->g->progress_ms, ddpc_now_ms());
     pthread_mutex_lock(&w->mu);
     w->status = st;
     if (st != DDPC_OK) w->msg = strdup(ddpc_last_error());
@@ -564,18 +574,32 @@ ddpc_status ddpc_work_wait(DdpcWork *w) {
     /* The backend enforces the deadline and completes the work with a timeout that names the
      * missing ranks; this grace period only guards against a backend that stopped answering.
      * Read each slice: a queued work gets its deadline only when it starts (deadline_from_start),
-     * and waits behind the works before it, each of which ends by its own deadline. */
+     * and waits behind the works before it, each of which ends by its own deadline: until then
+     * the guard is the backend's progress (ddpc_group_backend_stuck). */
+    DdpcGroup *g = w->g;
     pthread_mutex_lock(&w->mu);
     while (!atomic_load(&w->done)) {
         int64_t deadline = atomic_load(&w->deadline_ms);
-        int64_t hard = deadline >= INT64_MAX - 30000 ? INT64_MAX : deadline + 30000;
+        int queued = deadline >= INT64_MAX - g->grace_ms;
+        int64_t hard = queued ? INT64_MAX : deadline + g->grace_ms;
         int64_t slice = ddpc_slice(hard, DDPC_SLICE_MS);
-        if (slice <= 0 && ddpc_now_ms() >= hard) {
+        if (queued ? ddpc_group_backend_stuck(g, w->posted_ms)
+                   : slice <= 0 && ddpc_now_ms() >= hard) {
             pthread_mutex_unlock(&w->mu);
+            if (queued)
+                return ddpc_error(DDPC_ERR_TIMEOUT,
+                                  "%s #%llu on rank %d never started: the %s backend has begun "
+                                  "or ended no collective for %.0f s (the timeout plus %.0f s) "
+                                  "and stopped answering; this is a bug in ddpc, please report "
+                                  "it with the ranks' stacks (py-spy dump --native --pid PID)",
+                                  ddpc_coll_name(w->args.op), (unsigned long long)w->seq,
+                                  g->rank, g->ops->name,
+                                  (double)(g->timeout_ms + g->grace_ms) / 1000.0,
+                                  (double)g->grace_ms / 1000.0);
             return ddpc_error(DDPC_ERR_TIMEOUT,
                               "%s #%llu did not finish within the timeout on rank %d and its "
                               "backend stopped answering",
-                              ddpc_coll_name(w->args.op), (unsigned long long)w->seq, w->g->rank);
+                              ddpc_coll_name(w->args.op), (unsigned long long)w->seq, g->rank);
         }
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);

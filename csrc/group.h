@@ -17,6 +17,7 @@ struct DdpcWork {
      * began counting: at post, or, for a backend with deadline_from_start, at ddpc_work_begin
      * (INT64_MAX until then). Atomic: the waiting thread reads what the backend's thread sets. */
     _Atomic int64_t deadline_ms;
+    int64_t posted_ms;      /* ddpc_now_ms() at the post */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     atomic_int stall_noted; /* ddpc_group_note_stall said it waits too long */
@@ -69,6 +70,13 @@ typedef struct DdpcBackendOps {
 struct DdpcGroup {
     int rank, world, local_rank, local_world;
     int64_t timeout_ms;
+    /* How long past a collective's timeout its waiter trusts the backend to report it (30 s):
+     * past that, the backend has stopped answering and the wait fails on its own. */
+    int64_t grace_ms;
+    /* deadline_from_start backends: when a work last began or ended (ddpc_now_ms clock). Every
+     * work ends by its own timeout, so with works queued this moves at least once per timeout
+     * unless the backend's thread is stuck (ddpc_group_backend_stuck). */
+    _Atomic int64_t progress_ms;
     int64_t stall_ms;       /* DDPC_STALL_WARN: note a collective waiting this long (0: never) */
     DdpcStore *store;
     char prefix[128];
@@ -99,6 +107,11 @@ extern const DdpcBackendOps ddpc_backend_nccl;
 /* For a backend with deadline_from_start: w starts executing now, and its timeout (and the stall
  * note's clock) with it. */
 void ddpc_work_begin(DdpcWork *w);
+
+/* For a wait on a deadline_from_start backend's queue: has it begun or ended no work since
+ * `since_ms` (or its last progress, if later) for the timeout plus grace_ms? Then it has stopped
+ * answering: the works before the ones waited for each end by their own timeout. */
+int ddpc_group_backend_stuck(DdpcGroup *g, int64_t since_ms);
 
 /* Records the outcome of w and wakes its waiters. st != DDPC_OK: the message is taken from
  * ddpc_last_error() of the calling thread. */
