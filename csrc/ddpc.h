@@ -89,8 +89,15 @@ typedef enum ddpc_redop {
     DDPC_MIN = 2,
     DDPC_MAX = 3,
     DDPC_PROD = 4,
-    DDPC_NUM_REDOPS = 5
+    /* Bitwise, of the integer dtypes only (as gloo's; NCCL has none): */
+    DDPC_BAND = 5,
+    DDPC_BOR = 6,
+    DDPC_BXOR = 7,
+    DDPC_NUM_REDOPS = 8
 } ddpc_redop;
+
+/* Is op one of the bitwise reductions (DDPC_BAND, DDPC_BOR, DDPC_BXOR)? */
+#define DDPC_REDOP_BITWISE(op) ((op) >= DDPC_BAND && (op) <= DDPC_BXOR)
 
 size_t ddpc_dtype_size(ddpc_dtype dt);   /* 0 for an unknown dtype */
 const char *ddpc_dtype_name(ddpc_dtype dt);

@@ -249,7 +249,7 @@ template <typename T> cudaError_t launch_type(const DdpcFastArgs &a, cudaStream_
 }  // namespace
 
 extern "C" int ddpc_fast_supported(int dtype, int redop) {
-    if (redop < 0 || redop >= DDPC_NUM_REDOPS) return 0;
+    if (redop < 0 || redop > DDPC_PROD) return 0;  // (bitwise ops never reach NCCL's paths)
     switch (dtype) {
     case DDPC_FLOAT32:
     case DDPC_FLOAT64:

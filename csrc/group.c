@@ -403,6 +403,18 @@ static ddpc_status check_args(const DdpcGroup *g, const DdpcCollArgs *a) {
         return ddpc_error(DDPC_ERR_INVALID, "%s: op=AVG of %s elements would round the average "
                           "down (and may overflow): use op=SUM and divide in floating point, or "
                           "pass a floating-point tensor", name, ddpc_dtype_name(a->dtype));
+    int reduces = a->op == DDPC_COLL_ALLREDUCE || a->op == DDPC_COLL_REDUCE_SCATTER;
+    if (reduces && DDPC_REDOP_BITWISE(a->redop) && a->dtype < DDPC_INT32)
+        return ddpc_error(DDPC_ERR_INVALID, "%s: op=%s works on the bits of integer and bool "
+                          "elements, not %s ones: pass an integer or bool tensor (a float's bits "
+                          "can be viewed as one: x.view(torch.int32))", name,
+                          ddpc_redop_name(a->redop), ddpc_dtype_name(a->dtype));
+    if (reduces && DDPC_REDOP_BITWISE(a->redop) && g->ops == &ddpc_backend_nccl)
+        return ddpc_error(DDPC_ERR_INVALID, "%s: op=%s: NCCL has no bitwise reductions (torch's "
+                          "nccl backend refuses them too): for bool elements use MIN (every rank "
+                          "True, BAND) or MAX (any rank True, BOR); otherwise run it on the cpu "
+                          "backend (a new_group(backend='cpu') of host tensors)", name,
+                          ddpc_redop_name(a->redop));
     if (a->count && !a->recv)
         return ddpc_error(DDPC_ERR_INVALID, "%s: the output buffer is NULL", name);
     if ((a->op == DDPC_COLL_ALLGATHER || a->op == DDPC_COLL_REDUCE_SCATTER) && a->count && !a->send)

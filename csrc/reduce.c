@@ -1,4 +1,5 @@
-/* reduce.c: host reductions (sum, avg, min, max, prod) and float conversions for every ddpc
+/* reduce.c: host reductions (sum, avg, min, max, prod; band, bor, bxor of integers) and float
+ * conversions for every ddpc
  * dtype. Plain loops over restrict pointers that gcc -O3 vectorizes; float16 and bfloat16 go
  * through float in L1-sized blocks, with bit-exact round-to-nearest-even conversions. */
 #include <math.h>
@@ -30,7 +31,8 @@ const char *ddpc_dtype_name(ddpc_dtype dt) {
 }
 
 const char *ddpc_redop_name(ddpc_redop op) {
-    static const char *names[DDPC_NUM_REDOPS] = {"sum", "avg", "min", "max", "prod"};
+    static const char *names[DDPC_NUM_REDOPS] = {"sum", "avg",  "min", "max",
+                                                 "prod", "band", "bor", "bxor"};
     return (unsigned)op < DDPC_NUM_REDOPS ? names[op] : "unknown op";
 }
 
@@ -118,6 +120,9 @@ static void bf16_block_from_float(uint16_t *restrict dst, const float *restrict 
 #define I_PROD(T, U, a, b) ((T)((U)(a) * (U)(b)))
 #define I_MIN(T, U, a, b) ((a) < (b) ? (a) : (b))
 #define I_MAX(T, U, a, b) ((a) > (b) ? (a) : (b))
+#define I_BAND(T, U, a, b) ((T)((U)(a) & (U)(b)))
+#define I_BOR(T, U, a, b) ((T)((U)(a) | (U)(b)))
+#define I_BXOR(T, U, a, b) ((T)((U)(a) ^ (U)(b)))
 
 /* acc[i] = acc[i] op in[i] and out[i] = x[i] op y[i], for one (type, op). */
 #define DEF_KERNELS(NAME, T, U, OP)                                                             \
@@ -142,32 +147,50 @@ static void bf16_block_from_float(uint16_t *restrict dst, const float *restrict 
     DEF_KERNELS(TN##_min, T, U, KIND##_MIN)     \
     DEF_KERNELS(TN##_max, T, U, KIND##_MAX)
 
+#define DEF_BITS(TN, T, U)                 \
+    DEF_KERNELS(TN##_band, T, U, I_BAND)   \
+    DEF_KERNELS(TN##_bor, T, U, I_BOR)     \
+    DEF_KERNELS(TN##_bxor, T, U, I_BXOR)
+
 DEF_TYPE(f32, float, float, F)
 DEF_TYPE(f64, double, double, F)
 DEF_TYPE(i32, int32_t, uint32_t, I)
 DEF_TYPE(i64, int64_t, uint64_t, I)
 DEF_TYPE(u8, uint8_t, uint8_t, I)
 DEF_TYPE(i8, int8_t, uint8_t, I)
+DEF_BITS(i32, int32_t, uint32_t)
+DEF_BITS(i64, int64_t, uint64_t)
+DEF_BITS(u8, uint8_t, uint8_t)
+DEF_BITS(i8, int8_t, uint8_t)
 
-/* Function tables indexed by ddpc_redop (AVG accumulates like SUM). */
+/* Function tables indexed by ddpc_redop (AVG accumulates like SUM); the float types have no
+ * bitwise entries (check_dtype_op refuses those pairs first). */
 typedef void (*acc_fn)(void *restrict, const void *restrict, size_t);
 typedef void (*two_fn)(void *restrict, const void *restrict, const void *restrict, size_t);
 
 #define ACC_TABLE(TN) \
     {(acc_fn)acc_##TN##_sum, (acc_fn)acc_##TN##_sum, (acc_fn)acc_##TN##_min, \
      (acc_fn)acc_##TN##_max, (acc_fn)acc_##TN##_prod}
+#define ACC_TABLE_BITS(TN) \
+    {(acc_fn)acc_##TN##_sum,  (acc_fn)acc_##TN##_sum, (acc_fn)acc_##TN##_min, \
+     (acc_fn)acc_##TN##_max,  (acc_fn)acc_##TN##_prod, (acc_fn)acc_##TN##_band, \
+     (acc_fn)acc_##TN##_bor,  (acc_fn)acc_##TN##_bxor}
 #define TWO_TABLE(TN) \
     {(two_fn)two_##TN##_sum, (two_fn)two_##TN##_sum, (two_fn)two_##TN##_min, \
      (two_fn)two_##TN##_max, (two_fn)two_##TN##_prod}
+#define TWO_TABLE_BITS(TN) \
+    {(two_fn)two_##TN##_sum,  (two_fn)two_##TN##_sum, (two_fn)two_##TN##_min, \
+     (two_fn)two_##TN##_max,  (two_fn)two_##TN##_prod, (two_fn)two_##TN##_band, \
+     (two_fn)two_##TN##_bor,  (two_fn)two_##TN##_bxor}
 
 /* Indexed by dtype; the half types use the f32 kernels on widened blocks. */
 static const acc_fn ACC[DDPC_NUM_DTYPES][DDPC_NUM_REDOPS] = {
-    ACC_TABLE(f32), ACC_TABLE(f64), ACC_TABLE(f32), ACC_TABLE(f32),
-    ACC_TABLE(i32), ACC_TABLE(i64), ACC_TABLE(u8),  ACC_TABLE(i8),
+    ACC_TABLE(f32),      ACC_TABLE(f64),      ACC_TABLE(f32),     ACC_TABLE(f32),
+    ACC_TABLE_BITS(i32), ACC_TABLE_BITS(i64), ACC_TABLE_BITS(u8), ACC_TABLE_BITS(i8),
 };
 static const two_fn TWO[DDPC_NUM_DTYPES][DDPC_NUM_REDOPS] = {
-    TWO_TABLE(f32), TWO_TABLE(f64), TWO_TABLE(f32), TWO_TABLE(f32),
-    TWO_TABLE(i32), TWO_TABLE(i64), TWO_TABLE(u8),  TWO_TABLE(i8),
+    TWO_TABLE(f32),      TWO_TABLE(f64),      TWO_TABLE(f32),     TWO_TABLE(f32),
+    TWO_TABLE_BITS(i32), TWO_TABLE_BITS(i64), TWO_TABLE_BITS(u8), TWO_TABLE_BITS(i8),
 };
 
 static int is_half(ddpc_dtype dt) { return dt == DDPC_FLOAT16 || dt == DDPC_BFLOAT16; }
@@ -207,6 +230,9 @@ static ddpc_status check_dtype_op(const char *what, ddpc_dtype dt, ddpc_redop op
     if ((unsigned)op >= DDPC_NUM_REDOPS)
         return ddpc_error(DDPC_ERR_INVALID, "%s: unknown reduce op code %d (valid: 0..%d)", what,
                           (int)op, DDPC_NUM_REDOPS - 1);
+    if (!ACC[dt][op])
+        return ddpc_error(DDPC_ERR_INVALID, "%s: op %s is for integer and bool elements, not %s",
+                          what, ddpc_redop_name(op), ddpc_dtype_name(dt));
     return DDPC_OK;
 }
 

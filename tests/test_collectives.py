@@ -860,6 +860,72 @@ def scenario_named_mismatch() -> Dict:
 SCENARIOS["named_mismatch"] = scenario_named_mismatch
 
 
+def scenario_bitwise() -> Dict:
+    """BAND, BOR and BXOR (gloo's bitwise reductions) of every integer dtype over the whole
+    range of its bits, by ddpc's and torch's names, in all_reduce and reduce_scatter, and of
+    bool tensors; float elements refused on every rank, naming the op and the dtype."""
+    import ddpc
+    import torch
+    import torch.distributed as tdist
+    init()
+    rank, world = ddpc.get_rank(), ddpc.get_world_size()
+    fold = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+
+    def bits(r: int, n: int, dtype: str, salt: int) -> np.ndarray:
+        rng = np.random.default_rng(100 * r + salt)
+        return rng.integers(0, 256, n * np.dtype(dtype).itemsize, dtype=np.uint8).view(dtype)
+
+    checks = 0
+    for i, dtype in enumerate(["int8", "uint8", "int32", "int64"]):
+        for j, op in enumerate(["band", "bor", "bxor"]):
+            for n in (1, 4099, BIG):
+                salt = 1000 * i + 10 * j + n
+                every = np.stack([bits(r, n, dtype, salt) for r in range(world)])
+                want = fold[op].reduce(every, axis=0)
+                x = every[rank].copy()
+                spelled = [op, getattr(ddpc.ReduceOp, op.upper()),
+                           getattr(tdist.ReduceOp, op.upper())][n % 3]
+                ddpc.all_reduce(x, op=spelled)
+                assert_same(x, want, f"all_reduce {dtype} {op} n={n} ({spelled!r})")
+                t = torch.from_numpy(every[rank].copy())
+                ddpc.all_reduce(t, op=getattr(tdist.ReduceOp, op.upper()))
+                assert_same(t.numpy(), want, f"torch all_reduce {dtype} {op} n={n}")
+                checks += 2
+        # reduce_scatter: this rank's block of the folded inputs
+        op = ["band", "bor", "bxor"][i % 3]
+        every = np.stack([bits(r, 5 * world, dtype, 7 + i) for r in range(world)])
+        out = np.zeros(5, dtype=dtype)
+        ddpc.reduce_scatter_tensor(out, every[rank].copy(), op=op)
+        assert_same(out, fold[op].reduce(every, axis=0)[5 * rank:5 * (rank + 1)],
+                    f"reduce_scatter {dtype} {op}")
+        checks += 1
+    # bool tensors: all (BAND), any (BOR), odd number of True (BXOR)
+    truth = np.stack([np.random.default_rng(50 + r).integers(0, 2, 257).astype(bool)
+                      for r in range(world)])
+    for op, want in (("band", truth.all(0)), ("bor", truth.any(0)),
+                     ("bxor", truth.sum(0) % 2 == 1)):
+        t = torch.from_numpy(truth[rank].copy())
+        ddpc.all_reduce(t, op=op)
+        assert t.dtype == torch.bool and np.array_equal(t.numpy(), want), (op, t)
+        checks += 1
+    refused = []
+    for dtype in ("float32", "float64", "float16"):
+        try:
+            ddpc.all_reduce(np.ones(3, dtype=dtype), op="bxor")
+            refused.append(f"{dtype}: no error")
+        except ValueError as e:
+            refused.append(str(e))
+    # the group goes on after the refusals
+    x = np.full(3, 1 << rank, dtype=np.int32)
+    ddpc.all_reduce(x, op="bor")
+    assert_same(x, np.full(3, (1 << world) - 1, dtype=np.int32), "bor after refusals")
+    ddpc.destroy_process_group()
+    return {"checks": checks + 1, "refused": refused}
+
+
+SCENARIOS["bitwise"] = scenario_bitwise
+
+
 def run_job(scenario: str, world: int, tmp_path, transport: str = "auto",
             timeout: float = 120.0, expect_dead: tuple = (),
             with_torch: bool = False) -> List[Dict]:
@@ -994,6 +1060,16 @@ def test_a_rank_that_caught_a_timeout_is_not_said_to_wait_there_still(tmp_path):
     r0, _ = run_job("caught_timeout_then_busy", 2, tmp_path)
     assert "rank 1 never arrived (it is not in any collective: busy, hung or stopped)" in \
         r0["error"], r0
+
+
+@pytest.mark.parametrize("world,transport", [(2, "shm"), (3, "tcp")])
+def test_bitwise_reductions_of_integers_and_bools(world, transport, tmp_path):
+    for res in run_job("bitwise", world, tmp_path, transport, with_torch=True):
+        assert res["checks"] == 4 * 3 * 3 * 2 + 4 + 3 + 1, res
+        assert res["refused"] == [
+            f"all_reduce: op=bxor works on the bits of integer and bool elements, not {dt} "
+            f"ones: pass an integer or bool tensor (a float's bits can be viewed as one: "
+            f"x.view(torch.int32))" for dt in ("float32", "float64", "float16")], res
 
 
 def test_work_is_success_after_a_failure_and_avg_of_integers_is_refused(tmp_path):
@@ -1278,9 +1354,15 @@ def test_bad_groups_ops_views_outputs_and_objects_are_named(world_one):
                        r"from new_group\(\), got object"):
         world_one.all_reduce(x, group=object())
     world_one.all_reduce(x, group=world_one.distributed._default_group())  # (the default: fine)
-    with pytest.raises(ValueError, match=r"op BAND \(from torch.distributed.ReduceOp\) is not "
-                       r"supported by ddpc: use SUM, AVG, MIN, MAX or PRODUCT"):
+    with pytest.raises(ValueError, match=r"op PREMUL_SUM \(from torch.distributed.ReduceOp\) is "
+                       r"not supported by ddpc: use SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR or "
+                       r"BXOR"):
+        world_one.all_reduce(x, op=torch.distributed.ReduceOp.PREMUL_SUM)
+    with pytest.raises(ValueError, match=r"all_reduce: op=band works on the bits of integer and "
+                       r"bool elements, not float32 ones"):
         world_one.all_reduce(x, op=torch.distributed.ReduceOp.BAND)
+    with pytest.raises(ValueError, match=r"op='nand' is not a reduction: use one of \[.*'bxor'"):
+        world_one.all_reduce(x, op="nand")
     world_one.all_reduce(x, op=torch.distributed.ReduceOp.MAX)
     neg = torch._neg_view(torch.tensor([1.0, -2.0]))
     with pytest.raises(ValueError, match=r"all_reduce: tensor is a negated view .*pass "

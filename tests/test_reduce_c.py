@@ -1,7 +1,7 @@
 """Compiles and runs plain-C unit tests: of csrc/reduce.c (tests/c/test_reduce.c): every dtype x
 reduce op against a scalar reference, and float16/bfloat16 rounding against a table of every half
-value; and of csrc/group.c's guard against a backend that stopped answering
-(tests/c/test_group_wait.c)."""
+value; and of csrc/group.c (tests/c/test_group.c): the guard against a backend that stopped
+answering, and the checks of a post's reduction."""
 import os
 import shutil
 import subprocess
@@ -44,11 +44,12 @@ def test_reduce_c(sanitize):
 
 
 @pytest.mark.parametrize("sanitize", [False, True], ids=["O3", "asan_ubsan"])
-def test_group_wait_guard_c(sanitize):
+def test_group_c(sanitize):
     """A collective queued behind one the backend's thread never finishes fails within the
     timeout plus the grace period, naming itself; one queued behind works that keep ending does
-    not (the real group.c, a fake backend driven by the test)."""
-    exe = build("test_group_wait", ["group.c", "common.c", "settings.c", "reduce.c"], sanitize)
+    not; bitwise reductions are refused for floats and on nccl (the real group.c, a fake
+    backend driven by the test)."""
+    exe = build("test_group", ["group.c", "common.c", "settings.c", "reduce.c"], sanitize)
     res = subprocess.run([exe], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, f"test_group_wait failed:\n{res.stdout}\n{res.stderr}"
+    assert res.returncode == 0, f"test_group failed:\n{res.stdout}\n{res.stderr}"
     assert "all checks passed" in res.stdout, res.stdout

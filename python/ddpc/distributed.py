@@ -64,11 +64,15 @@ class ReduceOp(enum.IntEnum):
     MAX = 3
     PRODUCT = 4
     PROD = 4
+    BAND = 5  # bitwise, of integer and bool elements (the cpu backend; NCCL has none)
+    BOR = 6
+    BXOR = 7
 
 
 _OP_NAMES = {"sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "mean": ReduceOp.AVG,
              "min": ReduceOp.MIN, "max": ReduceOp.MAX, "prod": ReduceOp.PRODUCT,
-             "product": ReduceOp.PRODUCT}
+             "product": ReduceOp.PRODUCT, "band": ReduceOp.BAND, "bor": ReduceOp.BOR,
+             "bxor": ReduceOp.BXOR}
 
 
 def _reduce_op(op: Any) -> int:
@@ -76,7 +80,8 @@ def _reduce_op(op: Any) -> int:
         code = _OP_NAMES.get(op.lower())
         if code is None:
             raise ValueError(f"op={op!r} is not a reduction: use one of "
-                             f"{sorted(set(_OP_NAMES))} or ddpc.ReduceOp.SUM/AVG/MIN/MAX/PRODUCT")
+                             f"{sorted(set(_OP_NAMES))} or ddpc.ReduceOp.SUM/AVG/MIN/MAX/PRODUCT/"
+                             f"BAND/BOR/BXOR")
         return int(code)
     if isinstance(op, ReduceOp):
         return int(op)
@@ -86,7 +91,7 @@ def _reduce_op(op: Any) -> int:
         return int(_OP_NAMES[name.lower()])
     if type(op).__module__.startswith("torch") and isinstance(getattr(op, "name", None), str):
         raise ValueError(f"op {op.name} (from torch.distributed.ReduceOp) is not supported by "
-                         f"ddpc: use SUM, AVG, MIN, MAX or PRODUCT")
+                         f"ddpc: use SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR or BXOR")
     raise TypeError(f"op must be a str or ddpc.ReduceOp, got {type(op).__name__} {op!r}")
 
 
@@ -1046,7 +1051,8 @@ def _dtype_entry(name: str, what: str) -> Tuple[int, int, Optional[str]]:
 
 def _op_for(b: "_Buffer", redop: int, what: str) -> int:
     """The reduction to run on b's carried elements: complex numbers add (SUM, AVG) part by part
-    and have no order; bools reduce as torch's NCCL backend does (SUM: any, PRODUCT: all)."""
+    and have no order; bools reduce as torch's NCCL backend does (SUM: any, PRODUCT: all), and
+    BAND and BOR of bools as MIN and MAX (the same on 0 and 1, and NCCL has those)."""
     if b.kind is None:
         return redop
     name = ReduceOp(redop).name
@@ -1058,7 +1064,8 @@ def _op_for(b: "_Buffer", redop: int, what: str) -> int:
         raise ValueError(f"{what}: op=AVG of bool elements has no bool result: use SUM or MAX "
                          f"(any rank True), PRODUCT or MIN (every rank True), or pass a floating-"
                          f"point tensor")
-    return int({ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN}.get(redop, redop))
+    return int({ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN,
+                ReduceOp.BAND: ReduceOp.MIN, ReduceOp.BOR: ReduceOp.MAX}.get(redop, redop))
 
 
 _ELEMENT_BYTES = {0: 4, 1: 8, 2: 2, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1}  # by the core's dtype code

@@ -297,6 +297,9 @@ static uint64_t int_op(int64_t a, int64_t b, ddpc_dtype dt, ddpc_redop op) {
     case DDPC_MIN: return (uint64_t)(a < b ? a : b);
     case DDPC_MAX: return (uint64_t)(a > b ? a : b);
     case DDPC_PROD: return (uint64_t)wrap((uint64_t)a * (uint64_t)b, dt);
+    case DDPC_BAND: return (uint64_t)wrap((uint64_t)a & (uint64_t)b, dt);
+    case DDPC_BOR: return (uint64_t)wrap((uint64_t)a | (uint64_t)b, dt);
+    case DDPC_BXOR: return (uint64_t)wrap((uint64_t)a ^ (uint64_t)b, dt);
     default: return (uint64_t)wrap((uint64_t)a + (uint64_t)b, dt);
     }
 }
@@ -415,19 +418,33 @@ static void test_scale(void) {
 
 static void test_errors(void) {
     float a[2] = {0}, b[2] = {0};
+    const void *ins[1] = {b};
     EXPECT(ddpc_reduce_host(a, b, 2, (ddpc_dtype)99, DDPC_SUM) == DDPC_ERR_INVALID, "bad dtype");
     EXPECT(strstr(ddpc_last_error(), "99") != NULL, "message names the code: %s",
            ddpc_last_error());
-    EXPECT(ddpc_reduce_host(a, b, 2, DDPC_FLOAT32, (ddpc_redop)7) == DDPC_ERR_INVALID, "bad op");
+    EXPECT(ddpc_reduce_host(a, b, 2, DDPC_FLOAT32, (ddpc_redop)DDPC_NUM_REDOPS) ==
+               DDPC_ERR_INVALID, "bad op");
+    /* bitwise ops refuse float elements, naming both */
+    for (int dt = DDPC_FLOAT32; dt <= DDPC_BFLOAT16; dt++)
+        for (int op = DDPC_BAND; op <= DDPC_BXOR; op++) {
+            EXPECT(ddpc_reduce_host(a, b, 1, (ddpc_dtype)dt, (ddpc_redop)op) == DDPC_ERR_INVALID &&
+                       strstr(ddpc_last_error(), ddpc_redop_name((ddpc_redop)op)) &&
+                       strstr(ddpc_last_error(), ddpc_dtype_name((ddpc_dtype)dt)),
+                   "%s of %s: %s", ddpc_redop_name((ddpc_redop)op),
+                   ddpc_dtype_name((ddpc_dtype)dt), ddpc_last_error());
+            EXPECT(ddpc_reduce_host_n(a, ins, 1, 1, (ddpc_dtype)dt, (ddpc_redop)op) ==
+                       DDPC_ERR_INVALID, "n-ary %s of %s accepted", ddpc_redop_name((ddpc_redop)op),
+                   ddpc_dtype_name((ddpc_dtype)dt));
+        }
     EXPECT(ddpc_reduce_host(NULL, b, 2, DDPC_FLOAT32, DDPC_SUM) == DDPC_ERR_INVALID, "NULL acc");
     EXPECT(ddpc_reduce_host(NULL, NULL, 0, DDPC_FLOAT32, DDPC_SUM) == DDPC_OK, "empty is fine");
     EXPECT(ddpc_convert_host(a, DDPC_INT32, b, DDPC_FLOAT32, 2) == DDPC_ERR_INVALID, "int convert");
     EXPECT(ddpc_convert_host(a, DDPC_INT32, b, DDPC_INT32, 2) == DDPC_OK, "identity convert");
-    const void *ins[1] = {b};
     EXPECT(ddpc_reduce_host_n(a, ins, 0, 2, DDPC_FLOAT32, DDPC_SUM) == DDPC_ERR_INVALID, "nin 0");
     EXPECT(ddpc_dtype_size((ddpc_dtype)8) == 0 && ddpc_dtype_size(DDPC_BFLOAT16) == 2, "sizes");
     EXPECT(!strcmp(ddpc_dtype_name(DDPC_BFLOAT16), "bfloat16") &&
-               !strcmp(ddpc_redop_name(DDPC_PROD), "prod"), "names");
+               !strcmp(ddpc_redop_name(DDPC_PROD), "prod") &&
+               !strcmp(ddpc_redop_name(DDPC_BXOR), "bxor"), "names");
 }
 
 int main(void) {
@@ -438,6 +455,8 @@ int main(void) {
     size_t sizes[] = {1, 7, 2047, 2048, 5001};
     for (int dt = 0; dt < DDPC_NUM_DTYPES; dt++) {
         for (int op = 0; op < DDPC_NUM_REDOPS; op++) {
+            /* (bitwise ops of floats are refused: test_errors) */
+            if (DDPC_REDOP_BITWISE(op) && dt <= DDPC_BFLOAT16) continue;
             for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
                 test_pairwise((ddpc_dtype)dt, (ddpc_redop)op, sizes[s]);
             for (int nin = 1; nin <= 5; nin += 2)

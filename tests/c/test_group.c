@@ -1,10 +1,11 @@
-/* test_group_wait.c: unit test of ddpc_work_wait's guard against a backend that stopped
- * answering (csrc/group.c), with the real group code and a fake backend whose queue is driven by
- * the test: a work queued behind a running one on a deadline_from_start backend (the cpu
- * backend's case) fails once the backend has begun or ended nothing for the timeout plus the
- * grace period, and not while it keeps moving; a running work fails at its deadline plus the
- * grace period. The store is not used on these paths (its calls fail loudly if they are). Built
- * and run by tests/test_store.py. */
+/* test_group.c: unit test of csrc/group.c with the real group code and a fake backend whose queue
+ * is driven by the test. ddpc_work_wait's guard against a backend that stopped answering: a work
+ * queued behind a running one on a deadline_from_start backend (the cpu backend's case) fails
+ * once the backend has begun or ended nothing for the timeout plus the grace period, and not
+ * while it keeps moving; a running work fails at its deadline plus the grace period. The checks
+ * of a post's arguments: bitwise reductions refused for float elements and on the nccl backend.
+ * The store is not used on these paths (its calls fail loudly if they are). Built and run by
+ * tests/test_reduce_c.py. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -79,9 +80,9 @@ const DdpcBackendOps ddpc_backend_nccl = {
 
 /* ---------------------------------------------------------------- helpers */
 
-static DdpcGroup *make_group(int64_t timeout_ms, int64_t grace_ms) {
+static DdpcGroup *make_group_of(const char *backend, int64_t timeout_ms, int64_t grace_ms) {
     DdpcGroupConfig cfg = {
-        .rank = 0, .world_size = 2, .local_rank = 0, .local_world_size = 2, .backend = "cpu",
+        .rank = 0, .world_size = 2, .local_rank = 0, .local_world_size = 2, .backend = backend,
         .timeout_ms = timeout_ms, .store = (DdpcStore *)&g_store_calls, .prefix = "g0",
         .cuda_device = -1,
     };
@@ -89,6 +90,10 @@ static DdpcGroup *make_group(int64_t timeout_ms, int64_t grace_ms) {
     OK(ddpc_group_create(&cfg, &g));
     if (g) g->grace_ms = grace_ms;
     return g;
+}
+
+static DdpcGroup *make_group(int64_t timeout_ms, int64_t grace_ms) {
+    return make_group_of("cpu", timeout_ms, grace_ms);
 }
 
 static DdpcWork *post_barrier(DdpcGroup *g) {
@@ -191,10 +196,63 @@ static void idle_group_then_post_is_not_stuck(void) {
     ddpc_group_destroy(g);
 }
 
+/* BAND, BOR and BXOR: of integers on the cpu backend; refused for floats (naming the op and
+ * the dtype) and on the nccl backend (NCCL has none), before anything is queued. */
+static void bitwise_ops_are_checked_at_the_post(void) {
+    int32_t buf[4] = {0};
+    DdpcCollArgs a = {.op = DDPC_COLL_ALLREDUCE, .send = buf, .recv = buf, .count = 4,
+                      .dtype = DDPC_INT32, .redop = DDPC_BXOR, .device = -1};
+    DdpcWork *w = NULL;
+    DdpcGroup *g = make_group(1000, 1000);
+    if (!g) return;
+    OK(ddpc_group_post(g, &a, &w));
+    EXPECT(w && g_nq == 1, "an int32 bxor was not queued");
+    if (w) {
+        ddpc_work_complete(w, DDPC_OK);
+        ddpc_work_release(w);
+    }
+    for (int dt = DDPC_FLOAT32; dt <= DDPC_BFLOAT16; dt++) {
+        a.dtype = (ddpc_dtype)dt;
+        a.redop = DDPC_BAND;
+        w = NULL;
+        EXPECT(ddpc_group_post(g, &a, &w) == DDPC_ERR_INVALID && !w &&
+                   strstr(ddpc_last_error(), "op=band works on the bits of integer and bool") &&
+                   strstr(ddpc_last_error(), ddpc_dtype_name((ddpc_dtype)dt)),
+               "%s band: %s", ddpc_dtype_name((ddpc_dtype)dt), ddpc_last_error());
+    }
+    /* broadcast and all_gather carry no reduction: their redop field is not looked at */
+    DdpcCollArgs b = {.op = DDPC_COLL_BROADCAST, .recv = buf, .count = 4,
+                      .dtype = DDPC_FLOAT32, .redop = DDPC_BOR, .device = -1};
+    OK(ddpc_group_post(g, &b, &w));
+    if (w) {
+        ddpc_work_complete(w, DDPC_OK);
+        ddpc_work_release(w);
+    }
+    EXPECT(g_nq == 2, "%d works queued, expected 2", g_nq);
+    ddpc_group_destroy(g);
+
+    g = make_group_of("nccl", 1000, 1000);
+    if (!g) return;
+    a.dtype = DDPC_INT64;
+    for (int op = DDPC_BAND; op <= DDPC_BXOR; op++) {
+        a.redop = (ddpc_redop)op;
+        a.op = op == DDPC_BOR ? DDPC_COLL_REDUCE_SCATTER : DDPC_COLL_ALLREDUCE;
+        a.count = op == DDPC_BOR ? 2 : 4;
+        w = NULL;
+        EXPECT(ddpc_group_post(g, &a, &w) == DDPC_ERR_INVALID && !w &&
+                   strstr(ddpc_last_error(), "NCCL has no bitwise reductions") &&
+                   strstr(ddpc_last_error(), ddpc_redop_name((ddpc_redop)op)),
+               "nccl %s: %s", ddpc_redop_name((ddpc_redop)op), ddpc_last_error());
+    }
+    EXPECT(g_nq == 0, "%d works queued on nccl", g_nq);
+    ddpc_group_destroy(g);
+}
+
 int main(void) {
+    bitwise_ops_are_checked_at_the_post();
     queued_behind_a_stuck_work_fails();
     queued_behind_moving_works_succeeds();
     idle_group_then_post_is_not_stuck();
     EXPECT(g_store_calls == 0, "the store was called %d times", g_store_calls);
-    return check_summary("test_group_wait");
+    return check_summary("test_group");
 }
