@@ -16,16 +16,32 @@ from ddp_step import GPT  # noqa: E402
 
 
 class TinyLM(GPT):
+    """checkpoint: None, or "reentrant" / "non_reentrant": each block under
+    torch.utils.checkpoint with use_reentrant True / False (Hugging Face's
+    gradient_checkpointing_enable() is the first, by default)."""
+
+    checkpoint = None
+
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(ids)
+        if self.checkpoint is None:
+            logits = super().forward(ids)
+        else:
+            from torch.utils.checkpoint import checkpoint
+            pos = torch.arange(ids.shape[1], device=ids.device)
+            x = self.wte(ids) + self.wpe(pos)
+            for blk in self.blocks:
+                x = checkpoint(blk, x, use_reentrant=self.checkpoint == "reentrant")
+            logits = self.ln_f(x) @ self.wte.weight.t()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
 
 
 def make(vocab: int = 1000, width: int = 128, heads: int = 4, layers: int = 3, batch: int = 4,
-         seq: int = 256) -> Tuple[Callable[[], TinyLM], Callable[[], Any]]:
+         seq: int = 256, checkpoint: Any = None) -> Tuple[Callable[[], TinyLM], Callable[[], Any]]:
     """(build, batch): the model's factory and one batch's, as ddpc.plan takes them."""
     def build() -> TinyLM:
-        return TinyLM(layers, width, heads, vocab, seq)
+        model = TinyLM(layers, width, heads, vocab, seq)
+        model.checkpoint = checkpoint
+        return model
 
     def one_batch() -> dict:
         ids = torch.randint(0, vocab, (batch, seq))

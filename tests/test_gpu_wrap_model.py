@@ -1343,8 +1343,10 @@ sys.path.insert(0, sys.argv[1])
 import _tinylm
 from ddpc import plan
 autocast = torch.bfloat16 if sys.argv[2] == "bf16" else None
+checkpoint = None if sys.argv[3] == "none" else sys.argv[3]
 # GPT-2's shape (12 layers, width 768, vocabulary 50304) at 8 x 1024 tokens, float32 weights
-build, batch = _tinylm.make(vocab=50304, width=768, heads=12, layers=12, batch=8, seq=1024)
+build, batch = _tinylm.make(vocab=50304, width=768, heads=12, layers=12, batch=8, seq=1024,
+                            checkpoint=checkpoint)
 with torch.device("meta"):
     meta = build()
 saved, largest, peak = plan.activation_bytes(meta, batch, autocast)
@@ -1378,16 +1380,20 @@ print(json.dumps({"saved": saved, "largest": largest, "real": real,
 
 @pytest.mark.skipif(not _gpus_ready(1), reason="needs a CUDA build of ddpc, a GPU and torch "
                                                 "with CUDA")
-@pytest.mark.parametrize("dtype", ["float32", "bf16"])
-def test_plan_counts_the_activations_a_gpu_step_holds(dtype):
+@pytest.mark.parametrize("dtype,checkpoint", [("float32", "none"), ("bf16", "none"),
+                                              ("float32", "reentrant"),
+                                              ("bf16", "non_reentrant")])
+def test_plan_counts_the_activations_a_gpu_step_holds(dtype, checkpoint):
     """ddpc.plan --batch counts a forward's activations on the meta device, with attention as
     CUDA's fused kernels save it and, for bf16, with the casts CUDA autocast makes: on the GPU,
     what autograd saves is that, and a step's peak memory is the plan's total for one GPU,
-    within 5% (the allocator's rounding, cuBLAS's workspace)."""
+    within 5% (the allocator's rounding, cuBLAS's workspace). With every block checkpointed
+    (torch.utils.checkpoint, either kind), the plan runs each block again where its backward
+    does, and counts what that holds."""
     import json
     import subprocess
     tests = os.path.dirname(os.path.abspath(__file__))
-    res = subprocess.run([sys.executable, "-c", _PLAN_ACTIVATIONS, tests, dtype],
+    res = subprocess.run([sys.executable, "-c", _PLAN_ACTIVATIONS, tests, dtype, checkpoint],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])

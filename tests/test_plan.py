@@ -249,6 +249,108 @@ def test_the_peak_of_backward_follows_the_autograd_engine():
     assert abs(bf16.peak - (bf16.saved + bf16.largest)) <= 64, bf16
 
 
+class CkBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(256, 1024)
+        self.b = torch.nn.Linear(1024, 256)
+        self.runs = 0
+
+    def forward(self, x):
+        self.runs += 1
+        if self.runs > getattr(self, "fail_after", 1 << 30):
+            raise RuntimeError("this block runs once")
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class Checkpointed(torch.nn.Module):
+    """A stem, then 4 blocks each under torch.utils.checkpoint (use_reentrant: None for no
+    checkpoint, True or False)."""
+
+    def __init__(self, reentrant) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(256, 256)
+        self.blocks = torch.nn.ModuleList(CkBlock() for _ in range(4))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        x = self.stem(x)
+        for blk in self.blocks:
+            x = blk(x) if self.reentrant is None else checkpoint(blk, x,
+                                                                   use_reentrant=self.reentrant)
+        return x.sum()
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_checkpointed_segments_count_when_their_backward_runs_them_again(reentrant):
+    """A checkpointed segment saves only its input in the forward; its backward runs it again
+    and holds what that saves. Batch 512 x 256 float32 (0.5 MiB per block input): the forward
+    saves the batch and the 4 blocks' inputs (plus the loss), and the peak holds on top of those
+    every parameter's gradient (the first block's backward runs last) and, while the first
+    block runs again, its ReLU's 2 MiB output: more than the plan counted before it ran the
+    segments again (also under bf16 autocast). Checkpointing still lowers the peak below the
+    plain model's; both kinds of checkpoint come out within 1 MiB of each other."""
+    def peak_of(mode):
+        with torch.device("meta"):
+            model = Checkpointed(mode)
+        return model, plan.activation_bytes(model, lambda: torch.zeros(512, 256))
+    model, act = peak_of(reentrant)
+    x = 512 * 256 * 4
+    assert act.saved == 5 * x + 8, act  # (+ the output and the loss plan makes of it)
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    relu = 512 * 1024 * 4
+    assert act.peak >= act.saved + grads + relu, (act, grads)
+    plain = peak_of(None)[1]
+    assert plain.saved == 5 * x + 4 * relu + 8 and act.peak < plain.peak, (act, plain)
+    assert abs(act.peak - peak_of(not reentrant)[1].peak) <= 2 ** 20
+    # Under bf16 autocast the block runs again with casts of its own (the forward's, made
+    # without grad in the reentrant kind, lead to no parameter): the gradients are still made.
+    half = plan.activation_bytes(model, lambda: torch.zeros(512, 256), torch.bfloat16)
+    assert half.peak >= half.saved + grads + relu // 2, (half, grads)
+
+
+def test_a_checkpointed_segment_that_fails_when_run_again_is_named():
+    with torch.device("meta"):
+        model = Checkpointed(True)
+    for blk in model.blocks:
+        blk.fail_after = 1  # (the forward runs each once; plan's backward again)
+    with pytest.raises(ValueError, match=r"--batch '_zeros_b': running a checkpointed part of the "
+                       r"model again on the meta device \(as its backward does\) raised "
+                       r"RuntimeError: this block runs once"):
+        plan.activation_bytes(model, _zeros_b)
+
+
+def _zeros_b():
+    return torch.zeros(8, 256)
+
+
+@pytest.mark.parametrize("kind", ["reentrant", "non_reentrant"])
+def test_a_checkpointed_model_saves_on_the_meta_device_what_a_real_forward_saves(kind):
+    """The GPT-shaped model with every block checkpointed: the forward's saved bytes on the meta
+    device are a real CPU forward's (the blocks' inputs, the head), and the peak of backward is
+    at least the blocks' inputs, one block's activations (those the plain model saves per block)
+    and the gradients made before the first block runs again."""
+    import _tinylm
+    build, batch = _tinylm.make(checkpoint=kind)
+    with torch.device("meta"):
+        model = build()
+    act = plan.activation_bytes(model, batch)
+    torch.manual_seed(0)
+    real, real_largest, _ = _tinylm.saved_bytes(build(), batch())
+    assert abs(act.saved - real) <= 1024 and act.largest == real_largest, (act, real)
+    with torch.device("meta"):
+        plain = plan.activation_bytes(_tinylm.make()[0](), batch)
+    per_block = (plain.saved - act.saved) / 3  # (3 layers; what checkpointing stops saving)
+    # When the first block runs again, the 3 blocks' inputs (4 x 256 x 128 float32 each) are
+    # still held, and every gradient but its own and the positions' is made.
+    made = 4 * (sum(p.numel() for p in model.parameters())
+                - sum(p.numel() for p in model.blocks[0].parameters()) - model.wpe.weight.numel())
+    inputs = 3 * 4 * 256 * 128 * 4
+    assert act.peak >= inputs + per_block + made, (act, plain, made)
+    assert act.peak < plain.peak, (act, plain)
+
+
 def test_a_batch_adds_its_activations_to_the_table(tmp_path):
     res = run_plan(["--model", "_tinylm:build", "--batch", "_tinylm:batch", "--nproc", "1",
                     "--gpu-memory", "0.03"], os.path.join(ROOT, "tests"))

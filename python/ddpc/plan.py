@@ -9,7 +9,9 @@ what each GPU has free: before anything is allocated.
 
 Activations depend on the batch, the sequence length and checkpointing. Without --batch they are
 not counted, and the table says what is left for them. With --batch, one forward runs on the meta
-device (no memory) and the tensors autograd saves for backward are counted.
+device (no memory) and the tensors autograd saves for backward are counted, and then its
+backward is walked for the peak; checkpointed blocks (torch.utils.checkpoint, either kind) run
+again where their backward would run them, and what that holds is counted then.
 """
 from __future__ import annotations
 
@@ -295,12 +297,78 @@ def activation_bytes(model: Any, batch: Any, autocast: Any = None) -> "Activatio
     weights = {key(t)[0] for t in list(model.parameters()) + list(model.buffers())}
     saved: dict = {}
     copies: list = []  # autocast's casts of the weights
+    modes: list = []   # the autocast mode, while it is on
 
-    def pack(t: Any) -> Any:
-        k, n = key(t)
-        if k not in weights:
-            saved[k] = n
-        return t
+    @contextlib.contextmanager
+    def as_on_gpu() -> Any:
+        """Attention counted as CUDA's fused kernels save it, and autocast's casts if asked
+        (its casts of the weights go into `copies`): for the forward, and for the backward's
+        runs of checkpointed segments."""
+        functional = torch.nn.functional
+        original = functional.scaled_dot_product_attention
+        functional.scaled_dot_product_attention = _fused_attention(original, autocast)
+        try:
+            with contextlib.ExitStack() as stack:
+                if autocast is not None:
+                    modes.append(stack.enter_context(_meta_autocast(autocast, copies)))
+                yield
+        finally:
+            functional.scaled_dot_product_attention = original
+
+    def saving_into(into: dict) -> Any:
+        """What autograd saves goes into `into` ({storage: bytes}), the weights left out."""
+        def pack(t: Any) -> Any:
+            k, n = key(t)
+            if k not in weights:
+                into[k] = n
+            return t
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def recompute(fn: Any) -> Tuple[int, int]:
+        """For a reentrant checkpoint's node (torch.utils.checkpoint with use_reentrant=True,
+        which saves only its inputs in the forward): its forward again, as its backward runs it,
+        and the peak of that segment's own backward. Returns (that peak, without the gradient
+        into the segment and the inputs, which the caller holds already; the bytes of the
+        gradients of the parameters inside, which stay after it)."""
+        inputs = list(fn.inputs)
+        for i, idx in enumerate(fn.tensor_indices):
+            inputs[idx] = fn.saved_tensors[i]
+        args = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+                for x in inputs]
+        inner: dict = {}
+        # (autocast casts the weights again there: the forward's casts, made without grad, were
+        # let go when its autocast region ended; those new casts are counted with the segment)
+        before = {key(t)[0] for t in copies}
+        cache = modes[-1].cache if modes else None
+        if modes:
+            modes[-1].cache = {}
+        try:
+            with saving_into(inner), torch.enable_grad():
+                out = fn.run_function(*args)
+        finally:
+            if modes:
+                modes[-1].cache = cache
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])
+                if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+        own = {key(a)[0] for a in args if isinstance(a, torch.Tensor)}
+        for k in before | own:
+            inner.pop(k, None)
+        if not outs:
+            return sum(inner.values()), 0
+        kept = set()
+        for o in outs:  # (held until their backward, as the outer output is)
+            k, n = key(o)
+            inner[k] = n
+            kept.add(k)
+        root = outs[0].sum() if len(outs) == 1 else torch.stack([o.sum() for o in outs]).sum()
+        made: list = []
+        # (the segment's inputs are held by the caller: not counted again)
+        peak = _backward_peak(root, inner, kept, key, recompute, made, weights | own,
+                              [t for t in copies if key(t)[0] in before])
+        stays = sum(math.prod(v.shape) * v.dtype.itemsize for v in made
+                    if key(v)[0] not in own)
+        into = sum(math.prod(o.shape) * o.dtype.itemsize for o in outs)
+        return max(peak - into, sum(inner.values())), stays
 
     if isinstance(batch, dict):
         args, kwargs = (), batch
@@ -308,21 +376,23 @@ def activation_bytes(model: Any, batch: Any, autocast: Any = None) -> "Activatio
         args, kwargs = tuple(batch), {}
     else:
         args, kwargs = (batch,), {}
-    functional = torch.nn.functional
-    original = functional.scaled_dot_product_attention
-    functional.scaled_dot_product_attention = _fused_attention(original, autocast)
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
-            if autocast is not None:
-                stack.enter_context(_meta_autocast(autocast, copies))
-            out = model(*args, **kwargs)
-            loss = _loss_of(out)
-    except Exception as e:  # noqa: BLE001 - the user's model, on the meta device
-        raise ValueError(f"--batch {spec!r}: the forward on the meta device raised "
-                         f"{type(e).__name__}: {e}") from None
-    finally:
-        functional.scaled_dot_product_attention = original
+    with as_on_gpu():
+        try:
+            with saving_into(saved):
+                out = model(*args, **kwargs)
+                loss = _loss_of(out)
+        except Exception as e:  # noqa: BLE001 - the user's model, on the meta device
+            raise ValueError(f"--batch {spec!r}: the forward on the meta device raised "
+                             f"{type(e).__name__}: {e}") from None
+        peak = _peak_of(loss, out, saved, weights, copies, key, recompute, spec)
+    return Activations(sum(saved.values()), max(saved.values(), default=0), peak)
+
+
+def _peak_of(loss: Any, out: Any, saved: dict, weights: set, copies: list, key: Any,
+             recompute: Any, spec: str) -> int:
+    """activation_bytes' peak of backward: the output and the loss are counted (the caller
+    holds them) and the weights and autocast's copies of them are not."""
+    import torch
     # The output (held by the caller until backward) and the loss count too.
     held = list(out) if isinstance(out, (tuple, list)) else [getattr(out, "logits", out)]
     kept = set()
@@ -334,8 +404,12 @@ def activation_bytes(model: Any, batch: Any, autocast: Any = None) -> "Activatio
                 kept.add(k)
     for k in weights | {key(t)[0] for t in copies}:
         saved.pop(k, None)
-    return Activations(sum(saved.values()), max(saved.values(), default=0),
-                       _backward_peak(loss, saved, kept, key))
+    try:
+        return _backward_peak(loss, saved, kept, key, recompute, None, weights, copies)
+    except Exception as e:  # noqa: BLE001 - the user's checkpointed segments, run again
+        raise ValueError(f"--batch {spec!r}: running a checkpointed part of the model again on "
+                         f"the meta device (as its backward does) raised {type(e).__name__}: "
+                         f"{e}") from None
 
 
 class Activations(NamedTuple):
@@ -346,14 +420,23 @@ class Activations(NamedTuple):
     #               gradients on their way, and the parameters' gradients made so far
 
 
-def _backward_peak(loss: Any, saved: dict, kept: set, key: Any) -> int:
+def _backward_peak(loss: Any, saved: dict, kept: set, key: Any, recompute: Any = None,
+                   made: Optional[list] = None, weights: Optional[set] = None,
+                   copies: Optional[list] = None) -> int:
     """Runs backward from `loss` without computing it: the nodes of its autograd graph in the
     order autograd's engine takes them (the ready one of the highest sequence number first).
     Each node makes its inputs' gradients (their sizes from the graph's metadata) while the
     gradient into it is still held; then that one is freed (a parameter's becomes its .grad and
     stays), and so are the tensors it saved that no node still to run saved too. `saved`
     {storage: bytes} is what is held at the start; what no node names, and `kept` (the output
-    and the loss, which the caller holds), stay to the end."""
+    and the loss, which the caller holds), stay to the end. A reentrant checkpoint's node runs
+    its segment again: recompute(node) gives that segment's own peak, held on top of what is
+    live then, and the bytes of its parameters' gradients, which stay. A non-reentrant
+    checkpoint's nodes get their saved tensors by running their segment again when asked for
+    them: those (neither in `saved` nor `weights`, the storages never counted, nor autocast's
+    `copies`) are counted from the first node that uses one of them until the last one that
+    does. `made` (a list) gets the
+    leaf tensors whose gradients the backward makes."""
     import heapq
     root = getattr(loss, "grad_fn", None)
     if root is None:
@@ -371,14 +454,27 @@ def _backward_peak(loss: Any, saved: dict, kept: set, key: Any) -> int:
     refs = dict.fromkeys(saved, 1)  # (the storages no node names: held to the end)
     named = set()
     saved_by = {}
+    again: dict = {}  # what non-reentrant checkpoints make again: {storage: bytes}
     for fn in seen:
-        ks = {k for k in (key(t)[0] for t in _saved_tensors(fn)) if k in saved}
+        ks = set()
+        for t in _saved_tensors(fn):
+            k, n = key(t)
+            if k not in saved and (weights is None or k in weights):
+                continue
+            if k not in saved:
+                again[k] = n
+            ks.add(k)
         saved_by[fn] = ks
         named |= ks
+    for k in {key(t)[0] for t in copies or ()}:
+        again.pop(k, None)
+    for fn, ks in saved_by.items():
+        ks &= saved.keys() | again.keys()
         for k in ks:
-            refs[k] += 1
-    for k in named - kept:
+            refs[k] = refs.get(k, 0) + 1
+    for k in (named & saved.keys()) - kept:
         refs[k] -= 1
+    pending = set(again)  # (not live until a node uses them)
 
     def grad_bytes(meta: Any) -> int:
         return math.prod(meta.shape) * meta.dtype.itemsize
@@ -390,6 +486,15 @@ def _backward_peak(loss: Any, saved: dict, kept: set, key: Any) -> int:
     tie = 1
     while ready:
         fn = heapq.heappop(ready)[2]
+        if made is not None and type(fn).__name__ == "AccumulateGrad":
+            made.append(fn.variable)
+        if recompute is not None and type(fn).__name__ == "CheckpointFunctionBackward":
+            inside, stays = recompute(fn)
+            peak = max(peak, live + inside)
+            live += stays
+        for k in saved_by.get(fn, ()) & pending:
+            pending.discard(k)
+            live += again[k]
         for nxt, i in fn.next_functions:
             if nxt is not None and (nxt, i) not in slots:
                 slots[(nxt, i)] = grad_bytes(nxt._input_metadata[i])
@@ -400,7 +505,7 @@ def _backward_peak(loss: Any, saved: dict, kept: set, key: Any) -> int:
         for k in saved_by.get(fn, ()):
             refs[k] -= 1
             if refs[k] == 0:
-                live -= saved[k]
+                live -= saved[k] if k in saved else again[k]
         for nxt, _ in fn.next_functions:
             if nxt is not None:
                 deps[nxt] -= 1
