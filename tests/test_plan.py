@@ -1,6 +1,7 @@
 """python -m ddpc.plan: its numbers against the bytes real training holds (weights, gradients,
 AdamW's and SGD's state, tied and frozen parameters), the parameter counts it reads, a model
 built on the meta device, and its bad inputs."""
+import gc
 import os
 import subprocess
 import sys
@@ -308,6 +309,66 @@ def test_checkpointed_segments_count_when_their_backward_runs_them_again(reentra
     # without grad in the reentrant kind, lead to no parameter): the gradients are still made.
     half = plan.activation_bytes(model, lambda: torch.zeros(512, 256), torch.bfloat16)
     assert half.peak >= half.saved + grads + relu // 2, (half, grads)
+
+
+def _heap_in_use():
+    """glibc's bytes in use by malloc (mallinfo2: the heap's chunks and the mmapped ones), or
+    None without glibc 2.33+."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = MallInfo2
+
+    def used() -> int:
+        m = fn()
+        return m.uordblks + m.hblkhd
+    return used
+
+
+@pytest.mark.parametrize("reentrant", [None, True, False], ids=["plain", "reentrant",
+                                                                 "non_reentrant"])
+def test_the_planned_peak_is_what_a_cpu_step_holds(reentrant):
+    """The checkpointed model's step run for real on the CPU: the most malloc holds, read after
+    every op of its forward and backward (torch's CPU tensors come from malloc), above what it
+    held before (the weights, the batch), is the plan's peak less the batch (which the plan
+    counts as an activation): never less (but for 128 KiB of the host's own), and at most 4%
+    more (the walk gives each input of an addition a gradient of its own, where autograd passes
+    on the one it got)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    used = _heap_in_use()
+    if used is None:
+        pytest.skip("needs glibc's mallinfo2 (glibc 2.33 or newer)")
+    class Peak(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Peak.most = max(Peak.most, used())
+            return out
+    torch.manual_seed(0)
+    model, x = Checkpointed(reentrant), torch.randn(512, 256)
+    for _ in range(2):  # (the first steps make what torch and the mode keep for later ones)
+        with Peak():
+            model(x).backward()
+        model.zero_grad(set_to_none=True)
+    gc.collect()
+    base = Peak.most = used()
+    with Peak():
+        model(x).backward()
+    measured = Peak.most - base
+    with torch.device("meta"):
+        meta = Checkpointed(reentrant)
+    planned = plan.activation_bytes(meta, lambda: torch.zeros(512, 256)).peak - x.nbytes
+    print(f"planned {planned} measured {measured} ({planned / measured - 1:+.2%})")
+    assert measured - 131072 <= planned <= 1.04 * measured, (planned, measured)
 
 
 def test_a_checkpointed_segment_that_fails_when_run_again_is_named():
