@@ -31,6 +31,12 @@ stage() {  # stage NAME SECONDS CMD...
     { echo "$head"; cat "$LOGS/$name.log"; } >> "$OUT/suite.log"
 }
 nvidia-smi --query-gpu=index,name,pci.bus_id,memory.used,memory.total --format=csv,noheader
+# Processes already on the GPUs (a machine kept warm between calls may still run an earlier
+# call's ranks): listed here and again at the end, into suite.log too.
+apps() { echo "== GPU processes ($1):"; nvidia-smi --query-compute-apps=pid,process_name,used_memory \
+    --format=csv,noheader 2>&1 | sed 's/^/   /'; ps -eo pid,ppid,etime,cmd | grep -E "python.*(pytest|ddpc|test_)" \
+    | grep -v grep | sed 's/^/   /'; }
+apps start | tee -a "$OUT/suite.log"
 NGPU=$(nvidia-smi -L | grep -c '^GPU')
 stage build 150 $PY -m pip install --no-build-isolation --no-deps -e .
 TAIL=6 stage gpu_tests 360 $PY -m pytest -m gpu -q -ra tests/test_gpu.py tests/test_gpu_wrap_model.py
@@ -72,3 +78,4 @@ TAIL=30 stage doctor 30 $PY -m ddpc.doctor
 if [ -n "${EXTRA:-}" ]; then
     stage extra "${EXTRA_SECS:-120}" bash -c "$EXTRA"
 fi
+apps end | tee -a "$OUT/suite.log"
