@@ -333,19 +333,15 @@ def _heap_in_use():
     return used
 
 
-@pytest.mark.parametrize("reentrant", [None, True, False], ids=["plain", "reentrant",
-                                                                 "non_reentrant"])
-def test_the_planned_peak_is_what_a_cpu_step_holds(reentrant):
-    """The checkpointed model's step run for real on the CPU: the most malloc holds, read after
-    every op of its forward and backward (torch's CPU tensors come from malloc), above what it
-    held before (the weights, the batch), is the plan's peak less the batch (which the plan
-    counts as an activation): never less (but for 128 KiB of the host's own), and at most 4%
-    more (the walk gives each input of an addition a gradient of its own, where autograd passes
-    on the one it got)."""
+def _cpu_step_peak(model, inputs: dict) -> int:
+    """The most malloc holds during one real forward and backward of model on the CPU, read
+    after every op (torch's CPU tensors come from malloc), above what it held before (the
+    weights, the inputs). Skips the test without glibc's mallinfo2."""
     from torch.utils._python_dispatch import TorchDispatchMode
     used = _heap_in_use()
     if used is None:
         pytest.skip("needs glibc's mallinfo2 (glibc 2.33 or newer)")
+
     class Peak(TorchDispatchMode):
         most = 0
 
@@ -353,22 +349,52 @@ def test_the_planned_peak_is_what_a_cpu_step_holds(reentrant):
             out = func(*args, **(kwargs or {}))
             Peak.most = max(Peak.most, used())
             return out
-    torch.manual_seed(0)
-    model, x = Checkpointed(reentrant), torch.randn(512, 256)
     for _ in range(2):  # (the first steps make what torch and the mode keep for later ones)
         with Peak():
-            model(x).backward()
+            model(**inputs).backward()
         model.zero_grad(set_to_none=True)
     gc.collect()
     base = Peak.most = used()
     with Peak():
-        model(x).backward()
-    measured = Peak.most - base
+        model(**inputs).backward()
+    return Peak.most - base
+
+
+@pytest.mark.parametrize("reentrant", [None, True, False], ids=["plain", "reentrant",
+                                                                 "non_reentrant"])
+def test_the_planned_peak_is_what_a_cpu_step_holds(reentrant):
+    """The checkpointed model's step run for real on the CPU (_cpu_step_peak): what it holds at
+    its most is the plan's peak less the batch (which the plan counts as an activation): never
+    less (but for 128 KiB of the host's own), and at most 4% more (the walk gives each input of
+    an addition a gradient of its own, where autograd passes on the one it got)."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 256)
+    measured = _cpu_step_peak(Checkpointed(reentrant), {"x": x})
     with torch.device("meta"):
         meta = Checkpointed(reentrant)
     planned = plan.activation_bytes(meta, lambda: torch.zeros(512, 256)).peak - x.nbytes
     print(f"planned {planned} measured {measured} ({planned / measured - 1:+.2%})")
     assert measured - 131072 <= planned <= 1.04 * measured, (planned, measured)
+
+
+@pytest.mark.parametrize("kind", [None, "reentrant", "non_reentrant"])
+def test_the_planned_peak_of_the_gpt_shaped_model_is_what_a_cpu_step_holds(kind):
+    """The same for the GPT-shaped model (attention, GELU MLP, tied head, cross-entropy; 4
+    layers and a vocabulary of 64, so that the blocks, not the head, make the peak), plain and
+    with every block checkpointed: at most 1% less and 4% more (measured +1.0%, and +3.1% and
+    +2.8% with either kind of checkpoint; the walk before session 29 planned 72% and 31% too
+    little with them)."""
+    import _tinylm
+    build, batch = _tinylm.make(vocab=64, layers=4, checkpoint=kind)
+    torch.manual_seed(0)
+    inputs = batch()
+    measured = _cpu_step_peak(build(), inputs)
+    with torch.device("meta"):
+        meta = build()
+    planned = (plan.activation_bytes(meta, batch).peak
+               - sum(v.nbytes for v in inputs.values()))
+    print(f"planned {planned} measured {measured} ({planned / measured - 1:+.2%})")
+    assert 0.99 * measured <= planned <= 1.04 * measured, (planned, measured)
 
 
 def test_a_checkpointed_segment_that_fails_when_run_again_is_named():

@@ -434,10 +434,13 @@ def _backward_peak(loss: Any, saved: dict, kept: set, key: Any, recompute: Any =
     live then, and the bytes of its parameters' gradients, which stay. A non-reentrant
     checkpoint's nodes get their saved tensors by running their segment again when asked for
     them: those (neither in `saved` nor `weights`, the storages never counted, nor autocast's
-    `copies`) are counted from the first node that uses one of them until the last one that
-    does. `made` (a list) gets the
-    leaf tensors whose gradients the backward makes."""
+    `copies`) are all held from the first node that uses one of their segment's, each until the
+    last node that uses it. `made` (a list) gets the leaf tensors whose gradients the backward
+    makes."""
     import heapq
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
     root = getattr(loss, "grad_fn", None)
     if root is None:
         return sum(saved.values())
@@ -455,9 +458,42 @@ def _backward_peak(loss: Any, saved: dict, kept: set, key: Any, recompute: Any =
     named = set()
     saved_by = {}
     again: dict = {}  # what non-reentrant checkpoints make again: {storage: bytes}
+    # A non-reentrant checkpoint makes its whole segment again at the first request for one of
+    # its tensors, and holds all it saves from then: each storage made during a request is
+    # noted with the node whose request made it (its frame).
+    made_by: dict = {}
+    asking: list = [None]
+
+    class Noting(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            ins = {key(a)[0] for a in list(args) + list((kwargs or {}).values())
+                   if isinstance(a, torch.Tensor)}
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                # (a new storage, not a view or alias of an input; the last one made at an
+                # address is the one alive there now)
+                if isinstance(t, torch.Tensor) and key(t)[0] not in ins:
+                    made_by[key(t)[0]] = asking[0]
+            return out
+    held: list = []  # (what a request gives back stays alive, so that no storage made later
+    #                    takes the address, and with it the key, of one of them)
+    asked: dict = {}
+    # (Outside a backward, torch.utils.checkpoint makes a segment again for every request, each
+    # under an id of its own; one id for all of them, as inside one backward: once per segment.)
+    task_id = torch._C._current_graph_task_id
+    torch._C._current_graph_task_id = lambda: -2 if task_id() == -1 else task_id()
+    try:
+        for fn in seen:
+            asking[0] = fn
+            with Noting():
+                asked[fn] = _saved_tensors(fn)
+            held.append(asked[fn])
+    finally:
+        torch._C._current_graph_task_id = task_id
     for fn in seen:
         ks = set()
-        for t in _saved_tensors(fn):
+        for t in asked[fn]:
             k, n = key(t)
             if k not in saved and (weights is None or k in weights):
                 continue
@@ -474,7 +510,11 @@ def _backward_peak(loss: Any, saved: dict, kept: set, key: Any, recompute: Any =
             refs[k] = refs.get(k, 0) + 1
     for k in (named & saved.keys()) - kept:
         refs[k] -= 1
-    pending = set(again)  # (not live until a node uses them)
+    frames: dict = {}  # {frame: the storages its segment's run holds}
+    for k in again:
+        frames.setdefault(made_by.get(k, k), set()).add(k)
+    frame_of = {k: f for f, ks in frames.items() for k in ks}
+    pending = set(again)  # (not live until a node uses one of their frame)
 
     def grad_bytes(meta: Any) -> int:
         return math.prod(meta.shape) * meta.dtype.itemsize
@@ -493,8 +533,9 @@ def _backward_peak(loss: Any, saved: dict, kept: set, key: Any, recompute: Any =
             peak = max(peak, live + inside)
             live += stays
         for k in saved_by.get(fn, ()) & pending:
-            pending.discard(k)
-            live += again[k]
+            for j in frames[frame_of[k]] & pending:
+                pending.discard(j)
+                live += again[j]
         for nxt, i in fn.next_functions:
             if nxt is not None and (nxt, i) not in slots:
                 slots[(nxt, i)] = grad_bytes(nxt._input_metadata[i])
