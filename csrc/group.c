@@ -290,19 +290,11 @@ static int64_t wall_ms(void) {
  * collective began: then r has caught that timeout and gone on): written into buf as "it is
  * waiting in collective #N of <that group>". Returns whether it did. */
 static int waiting_elsewhere(DdpcGroup *g, int r, char *buf, size_t len) {
-    char key[64];
-    const char *keys[1] = {key};
-    int present = 0;
-    snprintf(key, sizeof key, "ddpc/waiting/%d", r);
-    if (ddpc_store_check(g->store, keys, 1, &present) != DDPC_OK || !present) return 0;
-    void *pv = NULL;
-    size_t pl = 0;
-    if (ddpc_store_get(g->store, key, 1000, &pv, &pl) != DDPC_OK) return 0;
-    char val[160], prefix[128], where[160];
+    char key[64], val[160], prefix[128], where[160];
     unsigned long long seq = 0;
     long long at = 0;
-    snprintf(val, sizeof val, "%.*s", (int)DDPC_MIN(pl, sizeof val - 1), (char *)pv);
-    free(pv);
+    snprintf(key, sizeof key, "ddpc/waiting/%d", r);
+    if (!store_text(g, key, val, sizeof val)) return 0;
     if (sscanf(val, "%127s %llu %lld", prefix, &seq, &at) != 3 || strcmp(prefix, g->prefix) == 0)
         return 0;
     /* (this collective's timeout, which has just run out, began timeout_ms ago: at its post, or
@@ -557,7 +549,7 @@ int ddpc_group_backend_stuck(DdpcGroup *g, int64_t since_ms) {
 }
 
 void ddpc_work_complete(DdpcWork *w, ddpc_status st) {
-    if (w->g) atomic_store(&w->g->progress_ms, ddpc_now_ms());
+    atomic_store(&w->g->progress_ms, ddpc_now_ms());
     pthread_mutex_lock(&w->mu);
     w->status = st;
     if (st != DDPC_OK) w->msg = strdup(ddpc_last_error());

@@ -168,20 +168,18 @@ DEF_BITS(i8, int8_t, uint8_t)
 typedef void (*acc_fn)(void *restrict, const void *restrict, size_t);
 typedef void (*two_fn)(void *restrict, const void *restrict, const void *restrict, size_t);
 
-#define ACC_TABLE(TN) \
-    {(acc_fn)acc_##TN##_sum, (acc_fn)acc_##TN##_sum, (acc_fn)acc_##TN##_min, \
-     (acc_fn)acc_##TN##_max, (acc_fn)acc_##TN##_prod}
+#define ACC_OPS(TN) \
+    (acc_fn)acc_##TN##_sum, (acc_fn)acc_##TN##_sum, (acc_fn)acc_##TN##_min, \
+    (acc_fn)acc_##TN##_max, (acc_fn)acc_##TN##_prod
+#define TWO_OPS(TN) \
+    (two_fn)two_##TN##_sum, (two_fn)two_##TN##_sum, (two_fn)two_##TN##_min, \
+    (two_fn)two_##TN##_max, (two_fn)two_##TN##_prod
+#define ACC_TABLE(TN) {ACC_OPS(TN)}
+#define TWO_TABLE(TN) {TWO_OPS(TN)}
 #define ACC_TABLE_BITS(TN) \
-    {(acc_fn)acc_##TN##_sum,  (acc_fn)acc_##TN##_sum, (acc_fn)acc_##TN##_min, \
-     (acc_fn)acc_##TN##_max,  (acc_fn)acc_##TN##_prod, (acc_fn)acc_##TN##_band, \
-     (acc_fn)acc_##TN##_bor,  (acc_fn)acc_##TN##_bxor}
-#define TWO_TABLE(TN) \
-    {(two_fn)two_##TN##_sum, (two_fn)two_##TN##_sum, (two_fn)two_##TN##_min, \
-     (two_fn)two_##TN##_max, (two_fn)two_##TN##_prod}
+    {ACC_OPS(TN), (acc_fn)acc_##TN##_band, (acc_fn)acc_##TN##_bor, (acc_fn)acc_##TN##_bxor}
 #define TWO_TABLE_BITS(TN) \
-    {(two_fn)two_##TN##_sum,  (two_fn)two_##TN##_sum, (two_fn)two_##TN##_min, \
-     (two_fn)two_##TN##_max,  (two_fn)two_##TN##_prod, (two_fn)two_##TN##_band, \
-     (two_fn)two_##TN##_bor,  (two_fn)two_##TN##_bxor}
+    {TWO_OPS(TN), (two_fn)two_##TN##_band, (two_fn)two_##TN##_bor, (two_fn)two_##TN##_bxor}
 
 /* Indexed by dtype; the half types use the f32 kernels on widened blocks. */
 static const acc_fn ACC[DDPC_NUM_DTYPES][DDPC_NUM_REDOPS] = {

@@ -476,8 +476,8 @@ def _backward_peak(loss: Any, saved: dict, kept: set, key: Any, recompute: Any =
                 if isinstance(t, torch.Tensor) and key(t)[0] not in ins:
                     made_by[key(t)[0]] = asking[0]
             return out
-    held: list = []  # (what a request gives back stays alive, so that no storage made later
-    #                    takes the address, and with it the key, of one of them)
+    # What each request gives back; held to the end, so that no storage made later takes the
+    # address, and with it the key, of one of them.
     asked: dict = {}
     # (Outside a backward, torch.utils.checkpoint makes a segment again for every request, each
     # under an id of its own; one id for all of them, as inside one backward: once per segment.)
@@ -488,7 +488,6 @@ def _backward_peak(loss: Any, saved: dict, kept: set, key: Any, recompute: Any =
             asking[0] = fn
             with Noting():
                 asked[fn] = _saved_tensors(fn)
-            held.append(asked[fn])
     finally:
         torch._C._current_graph_task_id = task_id
     for fn in seen:
