@@ -1219,11 +1219,16 @@ def test_torchruns_newer_flags_work(tmp_path):
     """--shutdown-timeout is --timeout-kill; --local-addr sets DDPC_BIND_ADDR, which the CPU
     backend's TCP transport binds; --run-path runs a script (and wins over --no-python);
     --duplicate-stdout-filters copies matching lines to filtered_stdout.log."""
+    # (rank 1 fails only once rank 0 ignores SIGTERM: else, on a busy host, the launcher's
+    # SIGTERM could reach rank 0 before its handler, and SIGKILL would never be needed)
     write(tmp_path, "stubborn.py", """
         import os, signal, sys, time
         if os.environ["RANK"] == "1":
+            while not os.path.exists("ignoring"):
+                time.sleep(0.01)
             sys.exit(4)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open("ignoring", "w").close()
         time.sleep(30)
     """)
     rc, _, err, took = launch(["--nproc-per-node", "2", "--shutdown-timeout", "0.5",
